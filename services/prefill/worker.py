@@ -1,0 +1,116 @@
+"""The prefill worker: runs prompts into its exported KV pool and samples each first token.
+
+Lifecycle of a request here:
+  PrefillTask arrives -> waits in FIFO order until its pages fit in the pool
+  -> the prompt's forward pass writes K/V into the pages -> the first token is sampled
+  -> KvReady (page ids, first token) goes to the router -> the pages stay held until the
+     router sends ReleaseKv (the decode has copied them) or Abort (the request is gone).
+The pool is exported once at start (shared/kv_share.py); only page ids leave this process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+
+import structlog
+
+from shared.config import Config
+from shared.kv_pool import PageAllocator, make_layout, pages_for
+from shared.kv_share import ExportedPool
+from shared.messages import (Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv,
+                             Role)
+from shared.model.llama import PagedLlama
+from shared.router_link import RouterLink
+from shared.sampling import FinishCheck, sample
+
+log = structlog.get_logger()
+
+
+class PrefillWorker:
+    def __init__(self, config: Config, model: PagedLlama, finish: FinishCheck, stopping: threading.Event):
+        self.worker_id = config.prefill.worker_id
+        self.model = model
+        self.finish = finish
+        self.stopping = stopping
+        layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
+                             model.num_kv_heads, model.head_dim, model.embed.dtype)
+        self.exported = ExportedPool(layout, self.worker_id)
+        self.allocator = PageAllocator(layout.num_pages)
+        self.waiting: deque[tuple[PrefillTask, float]] = deque()
+        self.held: dict[str, list[int]] = {}
+        self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
+                               self._heartbeat, config.worker.heartbeat_interval_s)
+        self.handlers = {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort}
+
+    def _registration(self) -> Register:
+        return Register(self.worker_id, Role.PREFILL, os.getpid(), self.allocator.num_pages,
+                        self.exported.pool.layout.page_size, self.exported.handle)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, self.allocator.num_free, len(self.held), len(self.waiting))
+
+    def run(self) -> None:
+        self.link.start()
+        log.info("prefill worker serving", pool_pages=self.allocator.num_pages, shm=self.exported.handle.locator.decode())
+        try:
+            while not self.stopping.is_set():
+                for message in self.link.receive(timeout_s=0 if self._next_fits() else 0.1):
+                    handler = self.handlers.get(type(message))
+                    if handler is None:
+                        log.warning("unexpected message", kind=type(message).__name__)
+                    else:
+                        handler(message)
+                if self._next_fits():
+                    self._prefill(*self.waiting.popleft())
+        finally:
+            self._shutdown()
+
+    def _next_fits(self) -> bool:
+        return bool(self.waiting) and pages_for(len(self.waiting[0][0].prompt_token_ids),
+                                                self.exported.pool.layout.page_size) <= self.allocator.num_free
+
+    def _on_task(self, task: PrefillTask) -> None:
+        needed = pages_for(len(task.prompt_token_ids), self.exported.pool.layout.page_size)
+        if not task.prompt_token_ids or needed > self.allocator.num_pages:
+            self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
+                                  f"prompt needs {needed} KV pages; the prefill pool has {self.allocator.num_pages}"))
+            return
+        self.waiting.append((task, time.perf_counter()))
+
+    def _on_release(self, message: ReleaseKv) -> None:
+        pages = self.held.pop(message.request_id, None)
+        if pages is not None:
+            self.allocator.free(pages)
+
+    def _on_abort(self, message: Abort) -> None:
+        self._on_release(ReleaseKv(message.request_id))
+        self.waiting = deque(item for item in self.waiting if item[0].request_id != message.request_id)
+
+    def _prefill(self, task: PrefillTask, arrived: float) -> None:
+        started = time.perf_counter()
+        prompt = task.prompt_token_ids
+        pages = self.allocator.allocate(pages_for(len(prompt), self.exported.pool.layout.page_size))
+        try:
+            logits = self.model.prefill(prompt, self.exported.pool, pages)
+            token = sample(logits[None], [task.sampling], [0])[0]
+        except Exception as exc:
+            self.allocator.free(pages)
+            log.exception("prefill failed", request_id=task.request_id)
+            self.link.send(Failed(task.request_id, ErrorCode.INTERNAL, f"prefill failed: {exc}"))
+            return
+        self.held[task.request_id] = pages
+        finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
+        compute_s = time.perf_counter() - started
+        self.link.send(KvReady(task.request_id, self.worker_id, pages, len(prompt), token, finish_reason,
+                               started - arrived, compute_s))
+        log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
+
+    def _shutdown(self) -> None:
+        for task, _ in self.waiting:
+            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
+        self.link.close()
+        self.exported.close()
+        log.info("prefill worker stopped", held_pages=sum(map(len, self.held.values())))

@@ -1,0 +1,72 @@
+"""The router process: gRPC front (Generation, health, reflection) and the token router.
+
+Health is SERVING only while at least one prefill and one decode are registered. Shutdown goes
+the gRPC way: health NOT_SERVING, stop taking calls, let in-flight streams finish for the
+grace period, then fail the rest explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+from services.router.generation import GenerationService
+from services.router.token_router import TokenRouter
+from services.router.validation import ModelLimits
+from shared.config import Config
+from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
+
+log = structlog.get_logger()
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+async def serve(config: Config) -> None:
+    checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
+    tokenizer = load_tokenizer(checkpoint)
+    hf_config = load_hf_config(checkpoint)
+    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens)
+    runtime_dir = Path(config.router.runtime_dir)
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(runtime_dir, 0o700)  # ipc:// sockets inside: only the service user may connect
+
+    health_servicer = health.aio.HealthServicer()
+
+    def on_workers_changed(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(health_servicer.set(name, status))
+
+    router = TokenRouter(config, on_workers_changed)
+    on_workers_changed(False)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.router.max_request_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router, tokenizer, limits), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.add_insecure_port(config.router.grpc_address)
+    await router.start()
+    await server.start()
+    log.info("router serving", grpc=config.router.grpc_address, zmq=config.router.zmq_endpoint())
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+
+    log.info("router stopping", grace_s=config.router.grace_period_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.router.grace_period_s)
+    await router.stop()
+    log.info("router stopped")

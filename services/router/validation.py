@@ -1,0 +1,112 @@
+"""GenerateRequest -> a validated job, or InvalidRequest with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from shared.messages import SamplingParams, StopParams
+
+CHAT_ROLES = {"system", "user", "assistant", "tool"}
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_context: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+    stop_strings: list[str]
+
+
+def _sampling(request) -> SamplingParams:
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    top_k = request.top_k if request.HasField("top_k") else 0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not (0 < top_p <= 1):  # also refuses NaN
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 is off), got {top_k}")
+    seed = request.seed & 0x7FFF_FFFF_FFFF_FFFF if request.HasField("seed") else secrets.randbits(63)
+    return SamplingParams(float(temperature), float(top_p), int(top_k), seed)
+
+
+def _stop_strings(request) -> list[str]:
+    stops = list(request.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequest(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def check_request_shape(request) -> None:
+    """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    given = [name for name, present in (
+        ("prompt", request.HasField("prompt")),
+        ("messages", len(request.messages) > 0),
+        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+    ) if present]
+    if not given:
+        raise InvalidRequest("no input: set one of prompt, messages or prompt_token_ids")
+    if len(given) > 1:
+        raise InvalidRequest(f"give exactly one input, got {' and '.join(given)}")
+    if request.HasField("prompt") and not request.prompt:
+        raise InvalidRequest("prompt is empty")
+    for message in request.messages:
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(f"unknown chat role {message.role!r}; use one of {sorted(CHAT_ROLES)}")
+    if request.HasField("max_tokens") and request.max_tokens == 0:
+        raise InvalidRequest("max_tokens must be at least 1")
+    _sampling(request)
+    _stop_strings(request)
+
+
+def tokenize(request, tokenizer) -> list[int]:
+    if request.HasField("prompt"):
+        return tokenizer(request.prompt)["input_ids"]
+    if request.messages:
+        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    return list(request.prompt_token_ids)
+
+
+def build_job(request, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
+    check_request_shape(request)
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt tokenizes to no tokens")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    room = limits.max_context - len(prompt_token_ids)
+    if room < 1:
+        raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                             f"{limits.max_context}, leaving no room to generate")
+    if request.HasField("max_tokens") and request.max_tokens > limits.max_context:
+        raise InvalidRequest(f"max_tokens {request.max_tokens} exceeds the model's context of {limits.max_context}")
+    wanted = request.max_tokens if request.HasField("max_tokens") else limits.default_max_tokens
+    return Job(
+        prompt_token_ids=prompt_token_ids,
+        sampling=_sampling(request),
+        stop=StopParams(max_tokens=min(wanted, room), ignore_eos=request.ignore_eos),
+        stop_strings=_stop_strings(request),
+    )

@@ -1,0 +1,216 @@
+"""Every message that crosses a ZeroMQ socket, declared once.
+
+Topology: each worker (prefill or decode) connects a DEALER socket to the router's ROUTER
+socket; workers never talk to each other. A request's journey:
+
+    router --PrefillTask--> prefill --KvReady--> router --DecodeTask--> decode
+    decode --KvPulled--> router --ReleaseKv--> prefill   (prefill frees its pages only now)
+    decode --TokenBatch (every step)--> router --> gRPC stream
+    router --Abort--> worker        (client gone, stop string hit, or shutdown)
+    worker --Failed--> router       (the request cannot go on)
+
+KV bytes never travel here: the prefill exports its pool once (KvPoolHandle), the router
+passes the handle to every decode (PoolAvailable), and per request only page ids move.
+On the wire each message is a msgpack array [kind, field, ...] (shared/wire.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"      # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context reached
+
+
+class ErrorCode(StrEnum):
+    """Mirrors the gRPC status the router returns for a failed request."""
+    UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    INTERNAL = "INTERNAL"
+
+
+class MsgKind(IntEnum):
+    REGISTER = 1
+    REGISTERED = 2
+    HEARTBEAT = 3
+    REREGISTER = 4
+    POOL_AVAILABLE = 5
+    POOL_GONE = 6
+    PREFILL_TASK = 10
+    KV_READY = 11
+    DECODE_TASK = 12
+    KV_PULLED = 13
+    RELEASE_KV = 14
+    TOKEN_BATCH = 15
+    ABORT = 16
+    FAILED = 17
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float  # 0 means greedy
+    top_p: float
+    top_k: int          # 0 means off
+    seed: int           # always set: the router draws one when the client gives none
+
+
+@dataclass(frozen=True)
+class StopParams:
+    """What ends a request inside a worker; stop strings are the router's (it owns the text)."""
+    max_tokens: int        # already cut so that prompt + max_tokens fits the context
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape of a paged pool: per layer a K and a V shard of [pages, page_size, kv_heads, head_dim],
+    interleaved K0 V0 K1 V1 ..., each shard starting shard_stride_bytes after the last (a
+    multiple of 256, so every shard is 256-byte aligned)."""
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    shard_stride_bytes: int
+
+
+@dataclass(frozen=True)
+class KvPoolHandle:
+    """How a decode maps a prefill's pool, exported once per process lifetime."""
+    backend: str        # "shm" (POSIX shared memory) or "cuda_ipc"
+    locator: bytes      # shm: the segment name; cuda_ipc: the serialized IPC handle
+    layout: KvLayout
+
+
+@dataclass(frozen=True)
+class Register:
+    worker_id: str
+    role: Role
+    pid: int
+    total_pages: int
+    page_size: int
+    pool: KvPoolHandle | None  # prefill only
+
+
+@dataclass(frozen=True)
+class Registered:
+    router_started_at: float  # lets a worker tell a restarted router from the old one in its logs
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    free_pages: int
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class Reregister:
+    """The router does not know the sender (it restarted): register again."""
+
+
+@dataclass(frozen=True)
+class PoolAvailable:
+    prefill_worker_id: str
+    pool: KvPoolHandle
+
+
+@dataclass(frozen=True)
+class PoolGone:
+    prefill_worker_id: str
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+
+
+@dataclass(frozen=True)
+class KvReady:
+    request_id: str
+    prefill_worker_id: str
+    page_ids: list[int]
+    num_tokens: int              # tokens whose KV sits in the pages (the prompt)
+    first_token_id: int          # sampled by the prefill, so TTFT does not wait for the decode
+    finish_reason: FinishReason | None  # set when the first token already ends the request
+    queued_s: float              # time the task waited in the prefill's queue
+    compute_s: float             # prompt forward pass and sampling
+
+
+@dataclass(frozen=True)
+class DecodeTask:
+    request_id: str
+    prefill_worker_id: str
+    src_page_ids: list[int]
+    num_tokens: int
+    first_token_id: int
+    sampling: SamplingParams
+    stop: StopParams
+
+
+@dataclass(frozen=True)
+class KvPulled:
+    request_id: str
+    prefill_worker_id: str
+    pull_s: float  # time to copy the pages into the decode's pool
+
+
+@dataclass(frozen=True)
+class ReleaseKv:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One decode step's new tokens, one entry per running request."""
+    tokens: list[TokenOut] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+MESSAGE_TYPES: dict[MsgKind, type] = {
+    MsgKind.REGISTER: Register,
+    MsgKind.REGISTERED: Registered,
+    MsgKind.HEARTBEAT: Heartbeat,
+    MsgKind.REREGISTER: Reregister,
+    MsgKind.POOL_AVAILABLE: PoolAvailable,
+    MsgKind.POOL_GONE: PoolGone,
+    MsgKind.PREFILL_TASK: PrefillTask,
+    MsgKind.KV_READY: KvReady,
+    MsgKind.DECODE_TASK: DecodeTask,
+    MsgKind.KV_PULLED: KvPulled,
+    MsgKind.RELEASE_KV: ReleaseKv,
+    MsgKind.TOKEN_BATCH: TokenBatch,
+    MsgKind.ABORT: Abort,
+    MsgKind.FAILED: Failed,
+}

