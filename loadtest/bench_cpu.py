@@ -1,0 +1,338 @@
+"""python -m loadtest.bench_cpu: pdserve on the CPU against plain transformers, in one run.
+
+Prints one JSON document to stdout; progress goes to stderr. Everything is measured in the same
+run because the CPU machines are shared and noisy:
+  1. the stack (router, prefill, decode as real processes) on 16/256/1024-token prompts, one
+     request at a time: TTFT, decode tokens/s, end-to-end time, and the KV handoff from both
+     sides (the decode's page copy from the router's log, and the client's first-to-second
+     token gap);
+  2. the stack with 8 requests of 256 tokens started together;
+  3. transformers' generate() on the same prompts, while the stack is idle;
+  4. the memory read rate of one thread, which bounds any decode step from below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+import transformers
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+from shared.model.loader import load_tokenizer, resolve_checkpoint
+from tests.stack import ServiceStack
+
+CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+PROMPT_LENGTHS = (16, 256, 1024)
+CONCURRENT_REQUESTS = 8
+CONCURRENT_PROMPT_LENGTH = 256
+REQUEST_TIMEOUT_S = 300.0
+LOG_WAIT_S = 15.0
+ROUTER_TIMINGS = ("admission_s", "prefill_queue_s", "prefill_compute_s", "ttft_s", "kv_pull_s", "total_s")
+GIB = 1 << 30
+# Real prose, so attention and the lm_head see ordinary token statistics; repeated to length.
+SOURCE_TEXT = (
+    "The river rose slowly through the spring, covering the low meadows where the cattle had grazed all "
+    "winter. Farmers moved their herds to the hills and waited, counting the days until the water would "
+    "fall again and leave behind the dark, rich silt that made the valley the most fertile in the region."
+)
+
+
+def progress(message: str) -> None:
+    print(f"[bench_cpu] {message}", file=sys.stderr, flush=True)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 6), "min": round(min(values), 6)}
+
+
+def make_prompts(tokenizer, lengths) -> dict[int, list[int]]:
+    """Token ids of exactly each length, so the stack and transformers see the same input."""
+    ids = tokenizer(SOURCE_TEXT, add_special_tokens=False)["input_ids"]
+    return {n: (ids * (n // len(ids) + 1))[:n] for n in lengths}
+
+
+# ---- the stack, through gRPC ----
+
+@dataclass
+class Timeline:
+    """When each generated token reached the client (one chunk per token; times from perf_counter)."""
+    request_id: str
+    sent: float
+    arrivals: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        t = self.arrivals
+        return {
+            "ttft_s": t[0] - self.sent,
+            "e2e_s": t[-1] - self.sent,
+            "decode_tokens_per_s": (len(t) - 1) / (t[-1] - t[0]),
+            # The prefill's token, then the first decode step's: KvReady -> router -> DecodeTask
+            # -> page copy -> one decode step -> TokenBatch -> router -> client.
+            "prefill_done_to_first_decode_token_s": t[1] - t[0],
+            "steady_decode_step_s": statistics.median(later - earlier for earlier, later in zip(t[1:], t[2:])),
+        }
+
+
+async def stream_request(stub, request_id: str, prompt: list[int], max_tokens: int) -> Timeline:
+    request = generation_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
+                                             temperature=0.0, ignore_eos=True)
+    timeline = Timeline(request_id, time.perf_counter())
+    async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+        now = time.perf_counter()
+        timeline.arrivals.extend([now] * len(chunk.token_ids))
+        timeline.token_ids.extend(chunk.token_ids)
+    if len(timeline.token_ids) != max_tokens:
+        raise RuntimeError(f"{request_id}: {len(timeline.token_ids)} tokens, expected {max_tokens} (ignore_eos)")
+    return timeline
+
+
+async def run_stack(address: str, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
+    """Sequential timelines per prompt length, then the concurrent batch, with its wall time."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        sequential = {}
+        for n, prompt in prompts.items():
+            progress(f"stack: {n}-token prompt, {repeats} repetition(s)")
+            await stream_request(stub, f"bench-warmup-{n}", prompt, 2)
+            sequential[n] = [await stream_request(stub, f"bench-{n}-{r}", prompt, max_tokens) for r in range(repeats)]
+        progress(f"stack: {CONCURRENT_REQUESTS} concurrent {CONCURRENT_PROMPT_LENGTH}-token requests")
+        prompt = prompts[CONCURRENT_PROMPT_LENGTH]
+        started = time.perf_counter()
+        concurrent = await asyncio.gather(*(stream_request(stub, f"bench-concurrent-{i}", prompt, max_tokens)
+                                            for i in range(CONCURRENT_REQUESTS)))
+        return sequential, concurrent, time.perf_counter() - started
+
+
+def log_events(path: Path, event: str) -> list[dict]:
+    """The JSON log lines of one event kind; other lines (library warnings) are skipped."""
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found
+
+
+def router_timings(stack: ServiceStack, request_ids: set[str]) -> dict[str, dict]:
+    """Each request's "request finished" line; the router writes it just after the last chunk."""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        lines = {r["request_id"]: r for r in log_events(stack.log_path("router"), "request finished")}
+        missing = request_ids - lines.keys()
+        if not missing:
+            return lines
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no 'request finished' log line for {sorted(missing)}:\n{stack.tail('router')}")
+        time.sleep(0.1)
+
+
+def stack_prompt_report(timelines: list[Timeline], router: dict[str, dict]) -> dict:
+    metrics = [t.metrics() for t in timelines]
+    client = {key: summary([m[key] for m in metrics]) for key in metrics[0]}
+    logged = [router[t.request_id] for t in timelines]
+    return {
+        "prompt_tokens": logged[0]["prompt_tokens"],
+        "output_tokens": len(timelines[0].token_ids),
+        "repetitions": len(timelines),
+        "ttft_s": client["ttft_s"],
+        "decode_tokens_per_s": client["decode_tokens_per_s"],
+        "e2e_s": client["e2e_s"],
+        "kv_handoff": {
+            # The router log's kv_pull_s: the decode copying the prompt's pages out of the prefill's pool.
+            "decode_kv_page_copy_s": summary([r["kv_pull_s"] for r in logged]),
+            "prefill_done_to_first_decode_token_s": client["prefill_done_to_first_decode_token_s"],
+            "steady_decode_step_s": client["steady_decode_step_s"],
+        },
+        "router_log_s": {key: summary([r[key] for r in logged]) for key in ROUTER_TIMINGS},
+    }
+
+
+def concurrent_report(timelines: list[Timeline], wall_s: float) -> dict:
+    metrics = [t.metrics() for t in timelines]
+    ttfts = [m["ttft_s"] for m in metrics]
+    return {
+        "requests": len(timelines),
+        "prompt_tokens": CONCURRENT_PROMPT_LENGTH,
+        "output_tokens_each": len(timelines[0].token_ids),
+        "wall_s": round(wall_s, 6),
+        "aggregate_output_tokens_per_s": round(sum(len(t.token_ids) for t in timelines) / wall_s, 3),
+        "ttft_s": {"p50": round(statistics.median(ttfts), 6), "max": round(max(ttfts), 6)},
+        "decode_tokens_per_s_per_request": summary([m["decode_tokens_per_s"] for m in metrics]),
+    }
+
+
+def worker_cores(stack: ServiceStack, service: str) -> list[int]:
+    loaded = log_events(stack.log_path(service), "model loaded")
+    return loaded[-1]["cores"] if loaded else []
+
+
+# ---- transformers, the baseline ----
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    # An explicit mask: the model's pad id equals a token of chat prompts, so guessing one is wrong.
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+
+def transformers_prompt_report(model, prompt: list[int], max_tokens: int, repeats: int) -> tuple[dict, list[int]]:
+    ids = torch.tensor([prompt])
+    generate(model, ids, 2)  # warm-up
+    # Each repetition times one token, then all: a noisy moment spoils one pair, not the rate.
+    pairs = [(timed(lambda: generate(model, ids, 1)), timed(lambda: generate(model, ids, max_tokens)))
+             for _ in range(repeats)]
+    first, full = [p[0] for p in pairs], [p[1] for p in pairs]
+    report = {
+        "prompt_tokens": len(prompt),
+        "output_tokens": max_tokens,
+        "repetitions": repeats,
+        "ttft_s": summary(first),
+        "decode_tokens_per_s": summary([(max_tokens - 1) / (f - t) for t, f in zip(first, full)]),
+        "e2e_s": summary(full),
+    }
+    return report, generate(model, ids, max_tokens)[0, len(prompt):].tolist()
+
+
+# ---- the physical floor ----
+
+def memory_bandwidth_gbs(repeats: int = 5) -> float:
+    """Read rate of one thread (the decode worker's share of a 2-core machine), best of several."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.ones(GIB // 4, dtype=torch.float32)
+        x.sum()  # touches every page before timing
+        best = min(timed(x.sum) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return x.nbytes / best / 1e9
+
+
+def weight_bytes_per_step(model) -> int:
+    """Every parameter is read once per decode step, except an untied input embedding, of which a
+    step gathers only one row per token (parameters() already counts a tied lm_head once)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
+
+
+# ---- the report ----
+
+def comparison(stack: dict, baseline: dict, floor_tokens_per_s: float, same_tokens: dict[int, bool]) -> dict:
+    result = {}
+    for n, same in same_tokens.items():
+        s, t = stack[f"prompt_{n}"], baseline[f"prompt_{n}"]
+        ratios = {f"{key}_stack_over_transformers": round(s[key]["median"] / t[key]["median"], 3)
+                  for key in ("ttft_s", "decode_tokens_per_s", "e2e_s")}
+        result[f"prompt_{n}"] = {
+            **ratios,
+            "stack_decode_fraction_of_floor": round(s["decode_tokens_per_s"]["median"] / floor_tokens_per_s, 3),
+            "transformers_decode_fraction_of_floor": round(t["decode_tokens_per_s"]["median"] / floor_tokens_per_s, 3),
+            "same_greedy_tokens": same,
+        }
+    return result
+
+
+def machine_info() -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    return {
+        "cpu_model": cpu_model,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "load_average_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_default_threads": torch.get_num_threads(),
+    }
+
+
+def run(quick: bool) -> dict:
+    repeats, max_tokens = (1, 8) if quick else (5, 32)
+    report = {"machine": machine_info(), "settings": {"quick": quick, "repetitions": repeats,
+                                                       "max_tokens": max_tokens, "greedy": True, "ignore_eos": True}}
+    checkpoint = resolve_checkpoint("embedded", CACHE_DIR)  # converted here once, before three processes race
+    prompts = make_prompts(load_tokenizer(checkpoint), PROMPT_LENGTHS)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as work:
+        progress("starting the stack")
+        with ServiceStack(Path(work), CACHE_DIR) as stack:
+            try:
+                sequential, concurrent, wall_s = asyncio.run(run_stack(stack.address, prompts, max_tokens, repeats))
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"request failed: {exc.code().name}: {exc.details()}\n"
+                                   f"{stack.tail('router')}") from None
+            router = router_timings(stack, {t.request_id for ts in sequential.values() for t in ts})
+            report["stack"] = {f"prompt_{n}": stack_prompt_report(ts, router) for n, ts in sequential.items()}
+            report["stack_concurrent"] = concurrent_report(concurrent, wall_s)
+            prefill_cores, decode_cores = worker_cores(stack, "prefill"), worker_cores(stack, "decode")
+            report["machine"]["stack_threads"] = {
+                "prefill_cores": prefill_cores, "prefill_torch_threads": len(prefill_cores),
+                "decode_cores": decode_cores, "decode_torch_threads": len(decode_cores), "router": "unpinned"}
+
+            progress("transformers baseline (the stack is idle)")
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+            report["machine"]["transformers_torch_threads"] = torch.get_num_threads()
+            baseline, same_tokens = {}, {}
+            with torch.inference_mode():
+                for n, prompt in prompts.items():
+                    progress(f"transformers: {n}-token prompt")
+                    baseline[f"prompt_{n}"], tokens = transformers_prompt_report(model, prompt, max_tokens, repeats)
+                    same_tokens[n] = tokens == sequential[n][0].token_ids
+            report["transformers"] = baseline
+
+            progress("memory bandwidth, one thread")
+            bandwidth, weight_bytes = memory_bandwidth_gbs(), weight_bytes_per_step(model)
+            floor_s = weight_bytes / (bandwidth * 1e9)
+            report["memory_bandwidth_gbs"] = round(bandwidth, 3)
+            report["memory_bandwidth_threads"] = 1
+            report["weight_bytes_per_decode_step"] = weight_bytes
+            report["decode_floor_ms_per_token"] = round(floor_s * 1e3, 3)
+            report["comparison"] = comparison(report["stack"], baseline, 1 / floor_s, same_tokens)
+            progress("stopping the stack")
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_cpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repetition, 8 output tokens: a smoke run")
+    parser.add_argument("--out", type=Path, help="also write the JSON document to this file")
+    args = parser.parse_args()
+    # SIGTERM unwinds like an error, so the stack's processes are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        report = run(args.quick)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"bench_cpu: {exc}", file=sys.stderr)
+        return 1
+    document = json.dumps(report, indent=2)
+    print(document)
+    if args.out:
+        args.out.write_text(document + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Fixtures that start the real services as processes and the transformers reference model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.stack import ServiceStack
+
+CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    from shared.model.loader import resolve_checkpoint
+
+    return resolve_checkpoint("embedded", CACHE_DIR)  # converts the GGUF once, before services race for it
+
+
+@pytest.fixture(scope="session")
+def tokenizer(checkpoint):
+    from shared.model.loader import load_tokenizer
+
+    return load_tokenizer(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def reference_model(checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def stack(checkpoint, tmp_path_factory):
+    """Router, prefill and decode as real processes on a free port; torn down with SIGTERM.
+
+    At teardown it checks what every test owes: both pools have every page free again, each
+    service exits 0, and no shared-memory segment is left behind.
+    """
+    with ServiceStack(tmp_path_factory.mktemp("stack"), CACHE_DIR) as services:
+        yield services
+        services.assert_pools_drained()
+        codes = services.stop()
+        assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"

@@ -1,0 +1,189 @@
+"""End to end: three real processes, real gRPC, the real model, checked against transformers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pdserve.v1 import generation_pb2
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 24
+TIE = 1e-3  # a batched step may flip a token only where the reference's top two logits are this close
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Écris une phrase sur la mer, s'il te plaît. 日本語で一言も。"}],
+]
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ", "Zürich, Köln und Graz sind Städte in"]
+
+
+def _request(kind: str, value, **fields) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, **fields})
+    if kind == "prompt":
+        request.prompt = value
+    elif kind == "messages":
+        request.messages.extend(generation_pb2.ChatMessage(**m) for m in value)
+    else:
+        request.prompt_token_ids.extend(value)
+    return request
+
+
+def _prompt_ids(tokenizer, kind: str, value) -> list[int]:
+    if kind == "prompt":
+        return tokenizer(value)["input_ids"]
+    if kind == "messages":
+        return list(tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)["input_ids"])
+    return list(value)
+
+
+def _cases(tokenizer):
+    cases = [("messages", chat) for chat in CHATS] + [("prompt", p) for p in PROMPTS]
+    cases.append(("prompt_token_ids", tokenizer("Once upon a time, in a small village,")["input_ids"]))
+    return cases
+
+
+def _generate(stub, request):
+    chunks = list(stub.Generate(request, timeout=120))
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def _reference(model, prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
+    """transformers' greedy tokens and the logits it chose them from."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt_ids):].tolist(), [step[0] for step in out.logits]
+
+
+def _assert_matches_reference(got: list[int], expected: list[int], logits: list[torch.Tensor], what: str):
+    """Equal tokens, except that after a tie in the reference the two runs may go separate ways."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            top2 = logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < TIE, f"{what}: token {i} is {a}, transformers chose {b} with a logit margin of {gap}"
+            return
+    assert len(got) == len(expected), f"{what}: {len(got)} tokens, transformers made {len(expected)}"
+
+
+@pytest.fixture(scope="module")
+def references(tokenizer, reference_model):
+    return {i: _reference(reference_model, _prompt_ids(tokenizer, kind, value))
+            for i, (kind, value) in enumerate(_cases(tokenizer))}
+
+
+def test_health_and_reflection(stack):
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    for service in ("", "pdserve.v1.Generation"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+    replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_greedy_matches_transformers_one_by_one(stack, tokenizer, references):
+    for i, (kind, value) in enumerate(_cases(tokenizer)):
+        ids, text, last = _generate(stack.stub, _request(kind, value))
+        expected, logits = references[i]
+        _assert_matches_reference(ids, expected, logits, f"{kind} #{i}")
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert last.usage.prompt_tokens == len(_prompt_ids(tokenizer, kind, value))
+        assert last.usage.completion_tokens == len(ids)
+        assert last.finish_reason == ("stop" if ids[-1] == tokenizer.eos_token_id else "length")
+
+
+def test_greedy_matches_transformers_concurrently(stack, tokenizer, references):
+    cases = _cases(tokenizer)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _generate(stack.stub, _request(*case)), cases))
+    for i, (ids, text, _) in enumerate(results):
+        expected, logits = references[i]
+        _assert_matches_reference(ids, expected, logits, f"concurrent #{i}")
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_chunks_never_split_a_character(stack):
+    request = _request("messages", [{"role": "user", "content": "Écris trois mots japonais: 日本, 東京, 富士山."}],
+                       ignore_eos=True)
+    for chunk in stack.stub.Generate(request, timeout=120):
+        assert "\ufffd" not in chunk.text
+
+
+def test_seed_reproduces_sampled_output(stack):
+    def sampled(seed: int) -> list[int]:
+        request = _request("prompt", "Tell me a story about a dragon.", temperature=0.9, top_p=0.95, top_k=50,
+                           seed=seed, ignore_eos=True)
+        return _generate(stack.stub, request)[0]
+
+    first = sampled(1234)
+    assert len(first) == MAX_TOKENS
+    assert sampled(1234) == first
+    assert sampled(99) != first
+
+
+def test_max_tokens_and_ignore_eos(stack):
+    ids, _, last = _generate(stack.stub, _request("prompt", "Hello", max_tokens=5, ignore_eos=True))
+    assert len(ids) == 5 and last.finish_reason == "length"
+    ids, _, last = _generate(stack.stub, _request("prompt", "Hello", max_tokens=1))
+    assert len(ids) == 1 and last.finish_reason in ("length", "stop")
+
+
+def test_stop_string_cuts_text(stack, tokenizer):
+    chat = CHATS[0]
+    full = _generate(stack.stub, _request("messages", chat))[1]
+    assert "Paris" in full, full
+    ids, text, last = _generate(stack.stub, _request("messages", chat, stop=["Paris"]))
+    assert last.finish_reason == "stop"
+    assert text == full[: full.index("Paris")]
+    assert "Paris" in tokenizer.decode(ids, skip_special_tokens=True)
+
+
+BAD_REQUESTS = {
+    "no input": generation_pb2.GenerateRequest(),
+    "two inputs": generation_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[1, 2]),
+    "empty prompt": generation_pb2.GenerateRequest(prompt=""),
+    "max_tokens 0": generation_pb2.GenerateRequest(prompt="hi", max_tokens=0),
+    "max_tokens above context": generation_pb2.GenerateRequest(prompt="hi", max_tokens=10**6),
+    "prompt longer than context": generation_pb2.GenerateRequest(prompt_token_ids=[42] * 9000),
+    "negative temperature": generation_pb2.GenerateRequest(prompt="hi", temperature=-0.5),
+    "top_p 0": generation_pb2.GenerateRequest(prompt="hi", top_p=0.0),
+    "top_p above 1": generation_pb2.GenerateRequest(prompt="hi", top_p=1.5),
+    "negative top_k": generation_pb2.GenerateRequest(prompt="hi", top_k=-1),
+    "unknown chat role": generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="robot", content="x")]),
+    "token id outside vocabulary": generation_pb2.GenerateRequest(prompt_token_ids=[1, 49152]),
+    "negative token id": generation_pb2.GenerateRequest(prompt_token_ids=[1, -3]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, case):
+    with pytest.raises(grpc.RpcError) as error:
+        list(stack.stub.Generate(BAD_REQUESTS[case], timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert error.value.details()
+    ids, _, _ = _generate(stack.stub, _request("prompt", "Hello", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2
+
+
+def test_cancelled_request_frees_its_pages(stack):
+    request = _request("prompt", "Count to one thousand:", max_tokens=400, ignore_eos=True)
+    call = stack.stub.Generate(request, timeout=120)
+    next(call)
+    next(call)
+    call.cancel()
+    stack.assert_pools_drained()
+
+
+def test_workers_report_their_pools(stack):
+    roles = {w.role for w in stack.workers()}
+    assert roles == {"prefill", "decode"}

@@ -1,0 +1,64 @@
+"""Process lifecycle: `make run`'s launcher stops cleanly, and bad frames do not hurt the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.stack import ServiceStack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_launcher_stops_all_services_on_sigterm(tmp_path, checkpoint):
+    cache_dir = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+    with ServiceStack(tmp_path, cache_dir, services=("stack",)) as stack:
+        launcher = stack.processes["stack"]
+        children = _children(launcher.pid)
+        assert len(children) == 3
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith("pdserve-kv-")
+                    and int(n.rsplit("-", 1)[-1]) in children]
+        assert len(segments) == 1, "the prefill exports exactly one pool"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+        assert not [pid for pid in children if _alive(pid)], "services outlived the launcher"
+        assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments), "shared memory left behind"
+
+
+def test_router_survives_garbage_frames(stack):
+    endpoint = f"ipc://{stack.env['PDSERVE_ROUTER_RUNTIME_DIR']}/router.ipc"
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.connect(endpoint)
+        for frame in (b"", b"\xc1garbage", b"\x93\x01\x02", b"\x92\x63\xa1x", b"\xdd\xff\xff\xff\xff",
+                      b"\x95\x03\xa2id\x01\x02\x03"):
+            socket.send(frame)
+        socket.send_multipart([b"a", b"b", b"c"])
+        time.sleep(0.5)
+        socket.close(linger=0)
+    finally:
+        context.term()
+    from pdserve.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=2, ignore_eos=True, temperature=0)
+    chunks = list(stack.stub.Generate(request, timeout=60))
+    assert sum(len(c.token_ids) for c in chunks) == 2
+    assert "malformed" in stack.log_path("router").read_text()

@@ -1,0 +1,186 @@
+"""shared/wire.py: every message survives a round trip, and every malformed frame is a WireError."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from shared import messages as m
+from shared import wire
+
+LAYOUT = m.KvLayout(num_layers=30, num_pages=1024, page_size=16, num_kv_heads=3, head_dim=64,
+                    dtype="bfloat16", shard_stride_bytes=3_145_728)
+HANDLE = m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-1234", layout=LAYOUT)
+SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 63) - 1)
+STOP = m.StopParams(max_tokens=128, ignore_eos=True)
+
+# One instance per message type; where a type has an optional field, both None and set appear.
+SAMPLES = [
+    m.Register("prefill-0", m.Role.PREFILL, 4242, 1024, 16, HANDLE),
+    m.Register("decode-0", m.Role.DECODE, 4243, 2048, 16, None),
+    m.Registered(router_started_at=1_715_000_000.25),
+    m.Heartbeat("decode-0", free_pages=2000, running=3, waiting=0),
+    m.Reregister(),
+    m.PoolAvailable("prefill-0", HANDLE),
+    m.PoolGone("prefill-0"),
+    m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP),
+    m.KvReady("req-1", "prefill-0", [0, 5, 7], 40, 17, None, queued_s=0.001, compute_s=0.25),
+    m.KvReady("req-2", "prefill-0", [3], 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1),
+    m.DecodeTask("req-1", "prefill-0", [0, 5, 7], 40, 17, SAMPLING, STOP),
+    m.KvPulled("req-1", "prefill-0", pull_s=0.003),
+    m.ReleaseKv("req-1"),
+    m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)]),
+    m.TokenBatch([]),
+    m.Abort("req-1"),
+    m.Failed("req-1", m.ErrorCode.RESOURCE_EXHAUSTED, "no KV room after 30 s"),
+]
+
+
+def test_samples_cover_every_message_type():
+    assert {type(s) for s in SAMPLES} == set(m.MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip(message):
+    decoded = wire.decode(wire.encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_round_trip_restores_enum_and_nested_types():
+    register = wire.decode(wire.encode(SAMPLES[0]))
+    assert type(register.role) is m.Role
+    assert type(register.pool) is m.KvPoolHandle and type(register.pool.layout) is m.KvLayout
+    assert type(register.pool.locator) is bytes
+    batch = wire.decode(wire.encode(SAMPLES[13]))
+    assert [type(t) for t in batch.tokens] == [m.TokenOut, m.TokenOut]
+    assert type(batch.tokens[1].finish_reason) is m.FinishReason
+    failed = wire.decode(wire.encode(SAMPLES[-1]))
+    assert type(failed.code) is m.ErrorCode
+
+
+def test_int_on_the_wire_for_a_float_field_becomes_a_float():
+    decoded = wire.decode(msgpack.packb([int(m.MsgKind.REGISTERED), 5]))
+    assert decoded == m.Registered(5.0) and type(decoded.router_started_at) is float
+
+
+def _frame(*items) -> bytes:
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+HEARTBEAT = int(m.MsgKind.HEARTBEAT)
+PREFILL_TASK = int(m.MsgKind.PREFILL_TASK)
+SAMPLING_RAW = [0.7, 0.9, 40, 1]
+STOP_RAW = [16, False]
+
+BAD_FRAMES = {
+    "garbage bytes": b"\xc1\xc1\xc1 not msgpack",
+    "truncated array": b"\x93\x03",
+    "trailing bytes": _frame(HEARTBEAT, "decode-0", 1, 0, 0) + b"\x00",
+    "empty frame": b"",
+    "not a list": msgpack.packb({"kind": HEARTBEAT}),
+    "a bare int": msgpack.packb(HEARTBEAT),
+    "empty list": _frame(),
+    "kind is a string": _frame("HEARTBEAT", "decode-0", 1, 0, 0),
+    "kind is a bool": _frame(True),
+    "unknown kind": _frame(99, "decode-0", 1, 0, 0),
+    "too few fields": _frame(HEARTBEAT, "decode-0", 1, 0),
+    "too many fields": _frame(HEARTBEAT, "decode-0", 1, 0, 0, 0),
+    "bool for int": _frame(HEARTBEAT, "decode-0", True, 0, 0),
+    "float for int": _frame(HEARTBEAT, "decode-0", 1.0, 0, 0),
+    "int for str": _frame(HEARTBEAT, 7, 1, 0, 0),
+    "str for float": _frame(int(m.MsgKind.REGISTERED), "now"),
+    "bool for float": _frame(int(m.MsgKind.REGISTERED), True),
+    "str for int list": _frame(PREFILL_TASK, "r", "1 2 3", SAMPLING_RAW, STOP_RAW),
+    "str inside int list": _frame(PREFILL_TASK, "r", [1, "2"], SAMPLING_RAW, STOP_RAW),
+    "bool inside int list": _frame(PREFILL_TASK, "r", [1, True], SAMPLING_RAW, STOP_RAW),
+    "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], [0.7, 0.9, 40], STOP_RAW),
+    "nested struct as map": _frame(PREFILL_TASK, "r", [1], {"temperature": 0.7}, STOP_RAW),
+    "bool field given int": _frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, [16, 0]),
+    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 1, 1, 16, None),
+    "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", [0], 1, 2, "eos", 0.0, 0.0),
+    "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
+    "None for required field": _frame(HEARTBEAT, None, 1, 0, 0),
+    "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5]),
+    "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]]),
+    "str for bytes": _frame(int(m.MsgKind.POOL_AVAILABLE), "p",
+                            ["shm", "name", [1, 1, 1, 1, 1, "float32", 256]]),
+    "frame too large": b"\x00" * (wire.MAX_FRAME_BYTES + 1),
+    # An array header that claims more elements than allowed, with no elements after it: the
+    # unpacker must refuse on the header instead of trying to allocate or read them.
+    "array header over MAX_ARRAY_LEN": b"\xdd" + (wire.MAX_ARRAY_LEN + 1).to_bytes(4, "big"),
+    "array header of 2**32-1": b"\xdd\xff\xff\xff\xff",
+    "nested array header over MAX_ARRAY_LEN":
+        b"\x95" + msgpack.packb(PREFILL_TASK) + msgpack.packb("r") + b"\xdd" + (wire.MAX_ARRAY_LEN + 1).to_bytes(4, "big"),
+}
+
+
+def _oversized_but_well_formed() -> dict[str, bytes]:
+    """Frames valid in every way but one limit, so only that limit can refuse them (msgpack's
+    own defaults, derived from the buffer size, would let each of them through)."""
+    locator = b"x" * (wire.MAX_FRAME_BYTES - 100)  # under max_bin_len; the frame is over the limit
+    layout = [1, 1, 1, 1, 1, "float32", 256]
+    too_many_tokens = list(range(wire.MAX_ARRAY_LEN + 1))
+    return {
+        "valid message over MAX_FRAME_BYTES": _frame(int(m.MsgKind.POOL_AVAILABLE), "p" * 200, ["shm", locator, layout]),
+        "prompt over MAX_ARRAY_LEN": _frame(PREFILL_TASK, "r", too_many_tokens, SAMPLING_RAW, STOP_RAW),
+        "worker id over MAX_STR_BYTES": _frame(HEARTBEAT, "w" * (wire.MAX_STR_BYTES + 1), 1, 0, 0),
+    }
+
+
+OVERSIZED = _oversized_but_well_formed()
+
+
+@pytest.mark.parametrize("frame", OVERSIZED.values(), ids=OVERSIZED.keys())
+def test_oversized_frame_is_refused_by_its_limit(frame):
+    unlimited = msgpack.unpackb(frame, max_bin_len=len(frame), max_str_len=len(frame), max_array_len=len(frame))
+    assert isinstance(unlimited, list) and unlimited[0] in iter(m.MsgKind)  # well formed apart from its size
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
+
+
+def test_frame_size_is_checked_before_unpacking():
+    frame = OVERSIZED["valid message over MAX_FRAME_BYTES"]
+    assert len(frame) > wire.MAX_FRAME_BYTES
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.decode(frame)
+
+
+@pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
+def test_bad_frame_is_a_wire_error(frame):
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
+
+
+def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
+    """The bad frames above differ from valid ones only in the flaw they name."""
+    assert wire.decode(_frame(HEARTBEAT, "decode-0", 1, 0, 0)) == m.Heartbeat("decode-0", 1, 0, 0)
+    assert wire.decode(_frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, STOP_RAW)) == m.PrefillTask(
+        "r", [1], m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False))
+    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]])) == m.TokenBatch([m.TokenOut("r", 1, None)])
+
+
+def test_a_prompt_of_max_array_len_tokens_decodes():
+    task = m.PrefillTask("long", list(range(wire.MAX_ARRAY_LEN)), SAMPLING, STOP)
+    assert wire.decode(wire.encode(task)).prompt_token_ids == task.prompt_token_ids
+
+
+def test_wire_does_not_import_pickle():
+    source = Path(wire.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"pickle", "cPickle", "cloudpickle", "dill", "_pickle"}
+    # Nor anything it imports, transitively: checked in a fresh interpreter.
+    code = ("import sys, shared.wire; "
+            "bad = sorted(n for n in sys.modules if 'pickle' in n or n == 'dill'); "
+            "assert not bad, bad")
+    repo = Path(wire.__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
