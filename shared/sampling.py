@@ -1,6 +1,6 @@
 """Token sampling for a batch with per-request parameters, reproducible per seed.
 
-Rows with temperature 0 take the argmax. The others apply temperature, top-k and top-p, then
+Rows with temperature 0 (or below 1e-5) take the argmax. The others apply temperature, top-k and top-p, then
 draw by the exponential race (argmax of p / E with E ~ Exp(1), equivalent to sampling from p).
 E comes from a generator seeded by (request seed, output index), so a token depends only on
 its request's seed and position: the same seed gives the same text whether the first token
@@ -15,6 +15,8 @@ import torch
 
 from shared.messages import FinishReason, SamplingParams, StopParams
 
+# Below this temperature the distribution is the argmax, and dividing by it would overflow.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
 
@@ -25,7 +27,7 @@ def _step_seed(seed: int, index: int) -> int:
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     """logits [B, V] float32; output_indices[i] is how many tokens request i has produced so far."""
     greedy = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW_TEMPERATURE]
     if not random_rows:
         return greedy.tolist()
     rows = torch.tensor(random_rows, device=logits.device)

@@ -129,8 +129,6 @@ def test_bad_core_list_is_refused(environ):
         load_config(parse(), environ=environ)
 
 
-@pytest.mark.xfail(strict=True, reason="checks run in Config.validate() after all layers are merged, so the "
-                                       "error names neither the setting's source nor (for cores) the setting")
 @pytest.mark.parametrize(("environ", "source"), [
     ({"PDSERVE_LOG_FORMAT": "xml"}, "PDSERVE_LOG_FORMAT"),
     ({"PDSERVE_DECODE_CPU_CORES": "a-b"}, "PDSERVE_DECODE_CPU_CORES"),
@@ -149,8 +147,6 @@ def test_parse_cores():
             parse_cores(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="parse_cores('3-1') returns [] instead of refusing; pin_to_cores then "
-                                       "silently falls back to the default half of the cores")
 def test_reversed_core_range_is_refused():
     with pytest.raises(ConfigError):
         parse_cores("3-1")

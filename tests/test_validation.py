@@ -1,0 +1,142 @@
+"""services/router/validation.py: every malformed GenerateRequest is an InvalidRequest, and the
+defaults of the unset fields are applied."""
+
+import math
+
+import pytest
+from pdserve.v1 import generation_pb2 as pb
+
+from services.router.validation import InvalidRequest, ModelLimits, build_job, check_request_shape
+
+LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)
+PROMPT_IDS = [5, 6, 7, 8]
+
+
+def request(**fields) -> pb.GenerateRequest:
+    messages = fields.pop("messages", [])
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages], **fields)
+
+
+def job(**fields):
+    """A request given as token ids unless it says otherwise; the ids double as the tokenized prompt."""
+    prompt_ids = fields.pop("tokens", PROMPT_IDS)
+    if not {"prompt", "messages", "prompt_token_ids"} & set(fields):
+        fields["prompt_token_ids"] = prompt_ids
+    return build_job(request(**fields), prompt_ids, LIMITS)
+
+
+SHAPE_ERRORS = {
+    "no input": dict(),
+    "prompt and token ids": dict(prompt="hi", prompt_token_ids=[1, 2]),
+    "prompt and messages": dict(prompt="hi", messages=[("user", "hi")]),
+    "messages and token ids": dict(messages=[("user", "hi")], prompt_token_ids=[1]),
+    "empty prompt": dict(prompt=""),
+    "max_tokens 0": dict(prompt="hi", max_tokens=0),
+    "negative temperature": dict(prompt="hi", temperature=-0.5),
+    "NaN temperature": dict(prompt="hi", temperature=math.nan),
+    "infinite temperature": dict(prompt="hi", temperature=math.inf),
+    "top_p 0": dict(prompt="hi", top_p=0.0),
+    "top_p 1.5": dict(prompt="hi", top_p=1.5),
+    "NaN top_p": dict(prompt="hi", top_p=math.nan),
+    "negative top_k": dict(prompt="hi", top_k=-1),
+    "unknown chat role": dict(messages=[("user", "hi"), ("robot", "beep")]),
+    "empty stop string": dict(prompt="hi", stop=[""]),
+    "too many stop strings": dict(prompt="hi", stop=[str(i) for i in range(17)]),
+    "request id too long": dict(prompt="hi", request_id="r" * 257),
+}
+
+
+@pytest.mark.parametrize("fields", SHAPE_ERRORS.values(), ids=SHAPE_ERRORS.keys())
+def test_shape_errors(fields):
+    with pytest.raises(InvalidRequest):
+        check_request_shape(request(**fields))
+    with pytest.raises(InvalidRequest):  # build_job runs the same checks
+        build_job(request(**fields), PROMPT_IDS, LIMITS)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(prompt="hi"),
+    dict(messages=[("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("tool", "{}")]),
+    dict(prompt_token_ids=[1, 2]),
+    dict(prompt="hi", temperature=0.0, top_p=1.0, top_k=0, max_tokens=1, stop=["x"] * 16),
+])
+def test_valid_shapes_pass(fields):
+    check_request_shape(request(**fields))
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    (dict(), "no input"),
+    (dict(prompt="hi", prompt_token_ids=[1]), "prompt and prompt_token_ids"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(messages=[("robot", "beep")]), "robot"),
+])
+def test_messages_say_what_is_wrong(fields, words):
+    with pytest.raises(InvalidRequest, match=words):
+        check_request_shape(request(**fields))
+
+
+def test_max_tokens_above_the_context():
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        job(max_tokens=LIMITS.max_context + 1)
+
+
+@pytest.mark.parametrize("length", [LIMITS.max_context, LIMITS.max_context + 10])
+def test_prompt_that_leaves_no_room(length):
+    with pytest.raises(InvalidRequest, match="context"):
+        job(tokens=[1] * length)
+    assert job(tokens=[1] * (LIMITS.max_context - 1)).stop.max_tokens == 1  # one token of room is enough
+
+
+@pytest.mark.parametrize("bad", [LIMITS.vocab_size, LIMITS.vocab_size + 5, -1])
+def test_token_ids_outside_the_vocabulary(bad):
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        job(tokens=[1, 2, bad, 3])
+
+
+def test_prompt_that_tokenizes_to_nothing():
+    with pytest.raises(InvalidRequest):
+        build_job(request(prompt=" "), [], LIMITS)
+
+
+def test_defaults():
+    built = job()
+    assert built.prompt_token_ids == PROMPT_IDS
+    # The default of 256 is cut to what the context leaves after the prompt.
+    assert built.stop.max_tokens == LIMITS.max_context - len(PROMPT_IDS)
+    assert built.stop.ignore_eos is False
+    assert (built.sampling.temperature, built.sampling.top_p, built.sampling.top_k) == (1.0, 1.0, 0)
+    assert built.stop_strings == []
+
+
+def test_default_max_tokens_when_it_fits():
+    roomy = ModelLimits(vocab_size=1000, max_context=2048, default_max_tokens=256)
+    built = build_job(request(prompt_token_ids=PROMPT_IDS), PROMPT_IDS, roomy)
+    assert built.stop.max_tokens == 256
+
+
+def test_explicit_values_are_kept():
+    built = job(max_tokens=10, temperature=0.0, top_p=0.5, top_k=3, seed=77, stop=["\n\n"], ignore_eos=True)
+    assert built.stop.max_tokens == 10 and built.stop.ignore_eos is True
+    assert (built.sampling.temperature, built.sampling.top_p, built.sampling.top_k) == (0.0, 0.5, 3)
+    assert built.sampling.seed == 77
+    assert built.stop_strings == ["\n\n"]
+
+
+def test_max_tokens_within_context_is_cut_to_the_room():
+    assert job(max_tokens=LIMITS.max_context).stop.max_tokens == LIMITS.max_context - len(PROMPT_IDS)
+
+
+def test_seed_is_drawn_when_unset():
+    seeds = {job().sampling.seed for _ in range(20)}
+    assert len(seeds) > 1
+    assert all(0 <= s < 1 << 63 for s in seeds)  # fits torch's generator seed
+
+
+def test_seed_zero_is_kept():
+    assert {job(seed=0).sampling.seed for _ in range(5)} == {0}
+
+
+def test_chat_and_prompt_inputs_build_jobs():
+    """The tokenized prompt comes from the caller; build_job validates it the same way."""
+    assert build_job(request(prompt="hi"), [9, 10], LIMITS).prompt_token_ids == [9, 10]
+    assert build_job(request(messages=[("user", "hi")]), [9], LIMITS).prompt_token_ids == [9]
