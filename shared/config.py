@@ -87,6 +87,8 @@ class PrefillConfig:
     worker_id: str = "prefill-0"
     # CPU cores to pin to, e.g. "0" or "0-3,8"; empty means the lower half of the allowed cores.
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
+    # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
+    chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
 
 
 @dataclass

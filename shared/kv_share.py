@@ -1,8 +1,14 @@
-"""Export a prefill's KV pool once and map it in a decode: POSIX shared memory on the CPU.
+"""Export a prefill's KV pool once and map it in a decode: POSIX shared memory or CUDA IPC.
 
-The exporter owns the memory and must outlive every mapping of it: it unlinks the segment on
-close, and if it is killed, multiprocessing's resource tracker (a process of its own) unlinks
-it. A mapping never unlinks. CUDA IPC (issue: GPU path) plugs in behind the same two calls.
+`export_pool` picks the backend from the device, `map_pool` from the handle. The exporter owns
+the memory and must outlive every mapping of it; a mapping never frees it.
+- Shared memory (CPU): the exporter unlinks the segment on close; if it is killed,
+  multiprocessing's resource tracker (a process of its own) unlinks it. An unlinked segment
+  stays readable by a decode that still maps it, so a request being pulled is not torn away.
+- CUDA IPC (GPU): the pool is one cudaMalloc'd buffer whose IPC handle (about 100 bytes) is sent
+  once; a decode opens it once at registration (the first open also creates the CUDA context)
+  and keeps it. PyTorch's IPC reference counter keeps the block out of the exporter's cache
+  while any peer holds it; a peer that dies drops its mapping with its context.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ import gc
 import os
 from multiprocessing import resource_tracker, shared_memory
 
+import msgpack
 import torch
 
-from shared.kv_pool import PagedKvPool, layout_bytes
+from shared.kv_pool import PagedKvPool, allocate_local_pool, layout_bytes
 from shared.messages import KvLayout, KvPoolHandle
 
 
-class ExportedPool:
-    """A pool in shared memory that peers may map; close() releases it for good."""
+class SharedMemoryExport:
+    """A pool in a POSIX shared-memory segment that peers may map; close() releases it for good."""
 
     def __init__(self, layout: KvLayout, name_hint: str):
         name = f"pdserve-kv-{name_hint}-{os.getpid()}"
@@ -27,15 +34,13 @@ class ExportedPool:
         self.handle = KvPoolHandle("shm", self._shm.name.encode(), layout)
 
     def close(self) -> None:
-        _release(self, unlink=True)
+        _release_shm(self, unlink=True)
 
 
-class MappedPool:
-    """A peer's exported pool, mapped into this process (read by the decode's handoff)."""
+class SharedMemoryMapping:
+    """A peer's shared-memory pool, mapped into this process."""
 
     def __init__(self, handle: KvPoolHandle):
-        if handle.backend != "shm":
-            raise ValueError(f"this process cannot map a {handle.backend!r} pool")
         self._shm = shared_memory.SharedMemory(name=handle.locator.decode(), create=False)
         # Python 3.11's SharedMemory registers attachments too, and its tracker would unlink
         # the exporter's segment when this process exits.
@@ -46,10 +51,10 @@ class MappedPool:
         self.pool = PagedKvPool(handle.layout, torch.frombuffer(self._shm.buf, dtype=torch.uint8))
 
     def close(self) -> None:
-        _release(self, unlink=False)
+        _release_shm(self, unlink=False)
 
 
-def _release(owner: ExportedPool | MappedPool, unlink: bool) -> None:
+def _release_shm(owner: SharedMemoryExport | SharedMemoryMapping, unlink: bool) -> None:
     shm = owner.__dict__.pop("_shm", None)
     if shm is None:
         return
@@ -61,3 +66,51 @@ def _release(owner: ExportedPool | MappedPool, unlink: bool) -> None:
         pass  # a caller still holds a view; the mapping goes when the process exits
     if unlink:
         shm.unlink()
+
+
+class CudaIpcExport:
+    """A pool in device memory, exported once as a CUDA IPC handle."""
+
+    def __init__(self, layout: KvLayout, device: torch.device):
+        self.pool, self._buffer = allocate_local_pool(layout, device)
+        offset = self.pool.kv.data_ptr() - self._buffer.data_ptr()
+        # The fields of UntypedStorage._share_cuda_, the call torch.multiprocessing uses, plus
+        # where the aligned pool starts inside the buffer.
+        shared = self._buffer.untyped_storage()._share_cuda_()
+        self.handle = KvPoolHandle("cuda_ipc", msgpack.packb([*shared, offset], use_bin_type=True), layout)
+
+    def close(self) -> None:
+        self.pool = None
+        self._buffer = None
+
+
+class CudaIpcMapping:
+    """A peer's device pool, opened once through its CUDA IPC handle."""
+
+    def __init__(self, handle: KvPoolHandle, device: torch.device):
+        *shared, offset = msgpack.unpackb(handle.locator, raw=False)
+        if len(shared) != 8:
+            raise ValueError("malformed CUDA IPC handle")
+        torch.cuda.set_device(device)
+        storage = torch.UntypedStorage._new_shared_cuda(*shared)  # noqa: SLF001
+        buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        buffer.set_(storage, offset, (layout_bytes(handle.layout),), (1,))
+        self.pool = PagedKvPool(handle.layout, buffer)
+
+    def close(self) -> None:
+        self.pool = None
+        gc.collect()  # drops the storage, which closes the IPC mapping
+
+
+def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str):
+    device = torch.device(device)
+    return CudaIpcExport(layout, device) if device.type == "cuda" else SharedMemoryExport(layout, name_hint)
+
+
+def map_pool(handle: KvPoolHandle, device: torch.device | str):
+    device = torch.device(device)
+    if handle.backend == "shm":
+        return SharedMemoryMapping(handle)
+    if handle.backend == "cuda_ipc" and device.type == "cuda":
+        return CudaIpcMapping(handle, device)
+    raise ValueError(f"a process on {device} cannot map a {handle.backend!r} pool")

@@ -14,7 +14,7 @@ from shared.kv_pool import (
     SHARD_ALIGN_BYTES, PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed,
     layout_bytes, make_layout, pages_for,
 )
-from shared.kv_share import ExportedPool, MappedPool
+from shared.kv_share import SharedMemoryExport, SharedMemoryMapping, map_pool
 from shared.messages import KvPoolHandle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def exported():
     pools = []
 
     def export(layout):
-        pool = ExportedPool(layout, f"test-{uuid.uuid4().hex[:8]}")
+        pool = SharedMemoryExport(layout, f"test-{uuid.uuid4().hex[:8]}")
         pools.append(pool)
         return pool
 
@@ -169,12 +169,12 @@ def test_copy_pages_from_copies_exactly_the_listed_pages(kind, exported):
 
 CHILD = """
 import sys, torch
-from shared.kv_share import MappedPool
+from shared.kv_share import SharedMemoryMapping
 from shared.messages import KvLayout, KvPoolHandle
 name, close, *fields = sys.argv[1:]
 layers, pages, page_size, heads, head_dim, dtype, stride = fields
 layout = KvLayout(int(layers), int(pages), int(page_size), int(heads), int(head_dim), dtype, int(stride))
-mapped = MappedPool(KvPoolHandle("shm", name.encode(), layout))
+mapped = SharedMemoryMapping(KvPoolHandle("shm", name.encode(), layout))
 kv = mapped.pool.kv
 expected = torch.arange(kv[0].numel(), dtype=torch.float32).reshape(kv[0].shape) % 13
 seen = [bool(torch.equal(kv[i].float(), expected + 16 * i)) for i in range(kv.shape[0])]
@@ -210,7 +210,7 @@ def test_mapped_in_another_process(how, exported):
 
 def test_closing_the_export_removes_the_segment():
     layout = make_layout(**LAYOUTS["float32"])
-    owner = ExportedPool(layout, f"test-{uuid.uuid4().hex[:8]}")
+    owner = SharedMemoryExport(layout, f"test-{uuid.uuid4().hex[:8]}")
     name = owner.handle.locator.decode()
     assert owner.handle.backend == "shm" and owner.handle.layout == layout
     try:
@@ -228,7 +228,7 @@ def test_closing_the_export_removes_the_segment():
 def test_mapping_refuses_another_backend():
     layout = make_layout(**LAYOUTS["float32"])
     with pytest.raises(ValueError, match="cuda_ipc"):
-        MappedPool(KvPoolHandle("cuda_ipc", b"opaque", layout))
+        map_pool(KvPoolHandle("cuda_ipc", b"opaque", layout), "cpu")
 
 
 def test_page_arithmetic():

@@ -57,3 +57,25 @@ def test_greedy_continuation_matches_transformers(model, pool, tokenizer, refere
     expected = reference_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
                                         do_sample=False)[0, len(ids):].tolist()
     assert tokens[: len(expected)] == expected
+
+
+def test_chunked_prefill_equals_whole_prefill(model, pool, tokenizer):
+    ids = tokenizer("A long prompt, cut into chunks that do not line up with pages: " * 3)["input_ids"]
+    pages = list(range(pages_for(len(ids), 16)))
+    whole = model.prefill(ids, pool, pages)
+    whole_kv = pool.kv[:, pages].clone()
+    chunked = model.prefill(ids, pool, pages, chunk_tokens=7)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool.kv[:, pages], whole_kv, atol=1e-4, rtol=1e-3)
+
+
+def test_random_preset_builds_the_8b_shape():
+    from shared.model.presets import preset_config
+
+    config = preset_config("random:llama-3.1-8b")
+    assert (config.num_hidden_layers, config.num_key_value_heads, config.intermediate_size) == (32, 8, 14336)
+    tiny = load_paged_llama("random:llama-tiny", "float32", "cpu")
+    layout = make_layout(tiny.num_layers, 8, 16, tiny.num_kv_heads, tiny.head_dim, torch.float32)
+    tiny_pool = allocate_local_pool(layout, "cpu")[0]
+    logits = tiny.prefill([1, 5, 9, 13], tiny_pool, [0])
+    assert logits.shape == (32000,) and torch.isfinite(logits).all()

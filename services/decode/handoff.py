@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from shared.kv_pool import PagedKvPool, pages_for
-from shared.kv_share import MappedPool
+from shared.kv_share import map_pool
 from shared.messages import DecodeTask, KvPoolHandle
 
 log = structlog.get_logger()
@@ -26,7 +26,7 @@ class HandoffError(RuntimeError):
 class KvPuller:
     def __init__(self, local: PagedKvPool):
         self.local = local
-        self.mapped: dict[str, tuple[KvPoolHandle, MappedPool]] = {}
+        self.mapped: dict[str, tuple[KvPoolHandle, object]] = {}
 
     def map_pool(self, prefill_worker_id: str, handle: KvPoolHandle) -> None:
         current = self.mapped.get(prefill_worker_id)
@@ -37,7 +37,7 @@ class KvPuller:
         if (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
                 local.num_layers, local.page_size, local.num_kv_heads, local.head_dim, local.dtype):
             raise HandoffError(f"pool of {prefill_worker_id} has layout {layout}, ours is {local}")
-        self.mapped[prefill_worker_id] = (handle, MappedPool(handle))
+        self.mapped[prefill_worker_id] = (handle, map_pool(handle, self.local.kv.device))
         log.info("mapped prefill pool", prefill=prefill_worker_id, pages=layout.num_pages)
 
     def unmap_pool(self, prefill_worker_id: str) -> None:

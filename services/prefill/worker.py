@@ -19,7 +19,7 @@ import structlog
 
 from shared.config import Config
 from shared.kv_pool import PageAllocator, make_layout, pages_for
-from shared.kv_share import ExportedPool
+from shared.kv_share import export_pool
 from shared.messages import (Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv,
                              Role)
 from shared.model.llama import PagedLlama
@@ -35,9 +35,10 @@ class PrefillWorker:
         self.model = model
         self.finish = finish
         self.stopping = stopping
+        self.chunk_tokens = config.prefill.chunk_tokens
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
-        self.exported = ExportedPool(layout, self.worker_id)
+        self.exported = export_pool(layout, self.worker_id, model.device)
         self.allocator = PageAllocator(layout.num_pages)
         self.waiting: deque[tuple[PrefillTask, float]] = deque()
         self.held: dict[str, list[int]] = {}
@@ -94,7 +95,7 @@ class PrefillWorker:
         prompt = task.prompt_token_ids
         pages = self.allocator.allocate(pages_for(len(prompt), self.exported.pool.layout.page_size))
         try:
-            logits = self.model.prefill(prompt, self.exported.pool, pages)
+            logits = self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)
             token = sample(logits[None], [task.sampling], [0])[0]
         except Exception as exc:
             self.allocator.free(pages)

@@ -1,22 +1,29 @@
-"""Attention over the paged pool, in plain PyTorch (the CPU path and the GPU fallback).
+"""Attention over the paged pool.
 
-prefill_attention: causal attention over the prompt's own contiguous K/V (flash attention via
-SDPA where the device has it). paged_decode_attention: one new token per sequence against its
-pages; the pages are gathered, which is cheap on the CPU's small contexts. The GPU path reads
-pages in place (shared/model/paged_attention_triton.py).
+prefill_attention: causal attention over a prompt chunk's contiguous K/V (flash attention via
+SDPA where the device has it); a later chunk also sees the earlier chunks' K/V, with the causal
+mask aligned to the bottom right. paged_decode_attention: one new token per sequence against
+its pages; on a GPU the Triton kernel reads the pages in place
+(shared/model/paged_attention_triton.py); on the CPU the pages are gathered, which is cheap for
+the CPU's small contexts.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from shared.model import paged_attention_triton
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D], causal."""
+    """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D]."""
+    length, context = q.shape[0], k.shape[0]
+    mask = {"is_causal": True} if context == length else {"attn_mask": causal_lower_right(length, context)}
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        is_causal=True, scale=scale, enable_gqa=True,
+        scale=scale, enable_gqa=True, **mask,
     )
     return out.squeeze(0).transpose(0, 1)
 
@@ -24,6 +31,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [pages, page_size, KVH, D]; page_table [B, P]; seq_lens [B] -> [B, H, D]."""
+    if q.is_cuda:
+        return paged_attention_triton.paged_decode_attention(
+            q, k_cache, v_cache, page_table.to(torch.int32), seq_lens.to(torch.int32), scale)
     batch, max_pages = page_table.shape
     _, page_size, kv_heads, head_dim = k_cache.shape
     length = max_pages * page_size

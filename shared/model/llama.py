@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kv_pool import PagedKvPool
-from shared.model import attention
+from shared.model import attention, presets
 
 
 @dataclass
@@ -102,20 +102,38 @@ class PagedLlama:
         pool.value(layer_index)[pages, offsets] = v
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int]) -> torch.Tensor:
-        """Runs one prompt, writes its KV into page_ids, returns the last position's logits [V]."""
-        positions = torch.arange(len(token_ids), device=self.device)
+    def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int],
+                chunk_tokens: int = 0) -> torch.Tensor:
+        """Runs one prompt, writes its KV into page_ids, returns the last position's logits [V].
+
+        With chunk_tokens > 0 the prompt goes through in chunks of that many tokens, so
+        activation memory stays bounded for long prompts; each chunk attends to the earlier
+        chunks' K/V read back from the pages.
+        """
+        chunk = chunk_tokens if chunk_tokens > 0 else len(token_ids)
+        ids = torch.tensor(token_ids, device=self.device)
+        pages = torch.tensor(page_ids, device=self.device)
+        for start in range(0, len(token_ids), chunk):
+            x = self._prefill_chunk(ids[start:start + chunk], start, pool, pages)
+        return self._logits(x[-1:])[0]
+
+    def _prefill_chunk(self, ids: torch.Tensor, start: int, pool: PagedKvPool, pages: torch.Tensor) -> torch.Tensor:
         page_size = pool.layout.page_size
-        pages = torch.tensor(page_ids, device=self.device)[positions // page_size]
-        offsets = positions % page_size
-        x = self.embed[torch.tensor(token_ids, device=self.device)]
+        end = start + len(ids)
+        positions = torch.arange(start, end, device=self.device)
+        chunk_pages, offsets = pages[positions // page_size], positions % page_size
+        x = self.embed[ids]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
-            self._write_kv(pool, i, pages, offsets, k, v)
+            self._write_kv(pool, i, chunk_pages, offsets, k, v)
+            if start > 0:  # earlier chunks: read back this request's pages up to the chunk's end
+                used = pages[: -(-end // page_size)]
+                k = pool.key(i)[used].flatten(0, 1)[:end]
+                v = pool.value(i)[used].flatten(0, 1)[:end]
             out = attention.prefill_attention(q, k, v, self.scale)
-            x = x + F.linear(out.reshape(len(token_ids), -1), layer.o_proj)
+            x = x + F.linear(out.reshape(len(ids), -1), layer.o_proj)
             x = self._mlp_block(layer, x)
-        return self._logits(x[-1:])[0]
+        return x
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
@@ -135,7 +153,10 @@ class PagedLlama:
         return self._logits(x)
 
 
-def load_paged_llama(checkpoint: Path, dtype: str, device: str) -> PagedLlama:
+def load_paged_llama(checkpoint: Path | str, dtype: str, device: str) -> PagedLlama:
+    """From a checkpoint folder, or a `random:<preset>` model built on the device."""
+    if presets.is_random(str(checkpoint)):
+        return PagedLlama(presets.random_hf_model(str(checkpoint), getattr(torch, dtype), device), device)
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype), device_map=device)

