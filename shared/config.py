@@ -97,6 +97,14 @@ class DecodeConfig:
     # Empty means the upper half of the allowed cores (disjoint from the prefill's default).
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     max_batch_size: int = _positive(default=64)
+    # On a GPU a step of up to this many requests is one CUDA graph replay; larger batches run
+    # eagerly. Empty: no graphs.
+    cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(
+        lambda v: all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")) if v else True,
+        "must be a comma-separated list of positive batch sizes"))
+
+    def graph_batch_sizes(self) -> list[int]:
+        return [int(p) for p in self.cuda_graph_batch_sizes.split(",") if p.strip()]
 
 
 @dataclass
@@ -215,3 +223,13 @@ def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[
                     setattr(target, name, _apply(raw, f, hints[name], f"{section}.{name} (from {source})"))
     config.validate()
     return config
+
+
+def parse_service_config(service: str) -> Config:
+    """A service's config from its command line, or exit 2 with a one-line reason."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    add_config_arguments(parser)
+    try:
+        return load_config(parser.parse_args())
+    except ConfigError as exc:
+        parser.error(str(exc))

@@ -5,13 +5,12 @@ The prefill and decode `__main__` modules differ only in the worker class they r
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 
 import structlog
 
-from shared.config import Config, add_config_arguments, load_config
+from shared.config import Config, parse_service_config
 from shared.log import configure_logging
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
@@ -21,14 +20,8 @@ from shared.sampling import FinishCheck
 log = structlog.get_logger()
 
 
-def parse_config(service: str) -> Config:
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
-    add_config_arguments(parser)
-    return load_config(parser.parse_args())
-
-
 def start_worker(service: str, worker_id_of, cores_of, half: str) -> tuple[Config, PagedLlama, FinishCheck, threading.Event]:
-    config = parse_config(service)
+    config = parse_service_config(service)
     configure_logging(service, worker_id_of(config), config.log.format, config.log.level)
     stopping = stop_event_on_signals()
     cores = pin_to_cores(cores_of(config), half)

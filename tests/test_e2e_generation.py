@@ -57,7 +57,7 @@ def _generate(stub, request):
 
 def _reference(model, prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
     """transformers' greedy tokens and the logits it chose them from."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(prompt_ids):].tolist(), [step[0] for step in out.logits]

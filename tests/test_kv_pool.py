@@ -14,7 +14,7 @@ from shared.kv_pool import (
     SHARD_ALIGN_BYTES, PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed,
     layout_bytes, make_layout, pages_for,
 )
-from shared.kv_share import SharedMemoryExport, SharedMemoryMapping, map_pool
+from shared.kv_share import SharedMemoryExport, map_pool
 from shared.messages import KvPoolHandle
 
 REPO = Path(__file__).resolve().parents[1]

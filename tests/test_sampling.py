@@ -1,6 +1,5 @@
 """shared/sampling.py: greedy and seeded sampling, top-k/top-p, the distribution, and FinishCheck."""
 
-import pytest
 import torch
 
 from shared.messages import FinishReason, SamplingParams, StopParams

@@ -57,6 +57,8 @@ class KvPuller:
         device = self.local.kv.device
         self.local.copy_pages_from(entry[1].pool, torch.tensor(task.src_page_ids[:count], device=device),
                                    torch.tensor(local_pages[:count], device=device))
+        if device.type == "cuda":  # the prefill may reuse its pages as soon as we acknowledge
+            torch.cuda.current_stream(device).synchronize()
         return time.perf_counter() - started
 
     def close(self) -> None:

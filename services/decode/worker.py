@@ -19,9 +19,12 @@ from collections import deque
 import structlog
 
 from services.decode.batch import DecodingRequest, step_inputs
+from services.decode.cuda_graphs import GraphedDecode
 from services.decode.handoff import HandoffError, KvPuller
 from shared.config import Config
-from shared.kv_pool import PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed, make_layout
+from shared.device import on_stream, worker_stream
+from shared.kv_pool import (PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed, make_layout,
+                            pages_for)
 from shared.messages import (Abort, DecodeTask, ErrorCode, Failed, Heartbeat, KvPulled, PoolAvailable, PoolGone,
                              Register, Role, TokenBatch, TokenOut)
 from shared.model.llama import PagedLlama
@@ -43,12 +46,23 @@ class DecodeWorker:
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(layout.num_pages)
         self.puller = KvPuller(self.pool)
+        self.stream = worker_stream(model.device, high_priority=True)
+        self.graphs = self._capture_graphs(config) if model.device.type == "cuda" else None
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
                                self._heartbeat, config.worker.heartbeat_interval_s)
         self.handlers = {DecodeTask: self._on_task, Abort: self._on_abort,
                          PoolAvailable: self._on_pool_available, PoolGone: self._on_pool_gone}
+
+    def _capture_graphs(self, config: Config) -> GraphedDecode | None:
+        sizes = config.decode.graph_batch_sizes()
+        if not sizes:
+            return None
+        scratch = self.allocator.allocate(1)[0]  # padding rows write here; no request owns it
+        max_pages = min(pages_for(self.model.max_context, self.pool.layout.page_size), self.pool.layout.num_pages)
+        with on_stream(self.stream):
+            return GraphedDecode(self.model, self.pool, scratch, max_pages, sizes)
 
     def _registration(self) -> Register:
         return Register(self.worker_id, Role.DECODE, os.getpid(), self.allocator.num_pages,
@@ -59,21 +73,26 @@ class DecodeWorker:
 
     def run(self) -> None:
         self.link.start()
-        log.info("decode worker serving", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size)
+        log.info("decode worker serving", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
+                 stream_priority=self.stream.priority if self.stream is not None else None)
         try:
-            while not self.stopping.is_set():
-                for message in self.link.receive(timeout_s=0 if self.running else 0.1):
-                    handler = self.handlers.get(type(message))
-                    if handler is None:
-                        log.warning("unexpected message", kind=type(message).__name__)
-                    else:
-                        handler(message)
-                while self.waiting and len(self.running) < self.max_batch_size:
-                    self.running.append(self.waiting.popleft())
-                if self.running:
-                    self._step()
+            with on_stream(self.stream):
+                self._loop()
         finally:
             self._shutdown()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            for message in self.link.receive(timeout_s=0 if self.running else 0.1):
+                handler = self.handlers.get(type(message))
+                if handler is None:
+                    log.warning("unexpected message", kind=type(message).__name__)
+                else:
+                    handler(message)
+            while self.waiting and len(self.running) < self.max_batch_size:
+                self.running.append(self.waiting.popleft())
+            if self.running:
+                self._step()
 
     def _on_pool_available(self, message: PoolAvailable) -> None:
         try:
@@ -109,7 +128,9 @@ class DecodeWorker:
 
     def _step(self) -> None:
         inputs = step_inputs(self.running, self.pool.layout.page_size, self.model.device)
-        logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
+        logits = self.graphs.step(inputs) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
         tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
         out, still_running = [], []
         for request, token in zip(self.running, tokens):

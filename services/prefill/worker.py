@@ -18,6 +18,7 @@ from collections import deque
 import structlog
 
 from shared.config import Config
+from shared.device import on_stream, worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
 from shared.kv_share import export_pool
 from shared.messages import (Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv,
@@ -36,6 +37,7 @@ class PrefillWorker:
         self.finish = finish
         self.stopping = stopping
         self.chunk_tokens = config.prefill.chunk_tokens
+        self.stream = worker_stream(model.device, high_priority=False)
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.exported = export_pool(layout, self.worker_id, model.device)
@@ -55,19 +57,23 @@ class PrefillWorker:
 
     def run(self) -> None:
         self.link.start()
-        log.info("prefill worker serving", pool_pages=self.allocator.num_pages, shm=self.exported.handle.locator.decode())
+        log.info("prefill worker serving", pool_pages=self.allocator.num_pages, kv_export=self.exported.handle.backend)
         try:
-            while not self.stopping.is_set():
-                for message in self.link.receive(timeout_s=0 if self._next_fits() else 0.1):
-                    handler = self.handlers.get(type(message))
-                    if handler is None:
-                        log.warning("unexpected message", kind=type(message).__name__)
-                    else:
-                        handler(message)
-                if self._next_fits():
-                    self._prefill(*self.waiting.popleft())
+            with on_stream(self.stream):
+                self._loop()
         finally:
             self._shutdown()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            for message in self.link.receive(timeout_s=0 if self._next_fits() else 0.1):
+                handler = self.handlers.get(type(message))
+                if handler is None:
+                    log.warning("unexpected message", kind=type(message).__name__)
+                else:
+                    handler(message)
+            if self._next_fits():
+                self._prefill(*self.waiting.popleft())
 
     def _next_fits(self) -> bool:
         return bool(self.waiting) and pages_for(len(self.waiting[0][0].prompt_token_ids),
@@ -96,7 +102,7 @@ class PrefillWorker:
         pages = self.allocator.allocate(pages_for(len(prompt), self.exported.pool.layout.page_size))
         try:
             logits = self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)
-            token = sample(logits[None], [task.sampling], [0])[0]
+            token = sample(logits[None], [task.sampling], [0])[0]  # syncs: the pages are written
         except Exception as exc:
             self.allocator.free(pages)
             log.exception("prefill failed", request_id=task.request_id)

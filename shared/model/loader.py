@@ -97,9 +97,11 @@ def load_hf_config(checkpoint: Path | str):
     return config
 
 
-def load_tokenizer(checkpoint: Path):
+def load_tokenizer(checkpoint: Path | str):
     from transformers import AutoTokenizer
 
+    if presets.is_random(str(checkpoint)):
+        return presets.synthetic_tokenizer(presets.preset_config(str(checkpoint)))
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     if not tokenizer.is_fast:
         raise ValueError("pdserve needs a fast (Rust) tokenizer for incremental detokenization")

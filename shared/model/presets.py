@@ -49,3 +49,15 @@ def random_hf_model(path: str, dtype: torch.dtype, device: str, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(preset_config(path), dtype=dtype)
     return model.eval()
+
+
+def synthetic_tokenizer(config):
+    """A word-level tokenizer whose token i is the word `<i>`, for random-weight models: the router
+    can then tokenize and detokenize their ids like any other model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(config.vocab_size)}, unk_token="<0>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"<{config.eos_token_id}>",
+                                   bos_token=f"<{config.bos_token_id}>", unk_token="<0>")

@@ -1,0 +1,199 @@
+"""GPU benchmark of the engine pieces: decode step, prefill, KV handoff copy (JSON on stdout).
+
+    python -m loadtest.bench_gpu [--model random:llama-3.1-8b] [--out FILE]
+
+Everything is measured in one run beside its physical limit, measured in the same run:
+- the device's copy bandwidth (bytes read + written per second, a 4 GiB device-to-device copy),
+  so a decode step's floor is (weight bytes + KV bytes it must read) / bandwidth;
+- the bf16 matmul rate (8192^3), so a prefill's efficiency is its model FLOPs / time / that rate;
+- transformers' own `generate` at batch 1 on the same weights, the baseline.
+Decode steps run as the decode worker runs them: one CUDA graph replay per step
+(services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from services.decode.batch import DecodingRequest, step_inputs
+from services.decode.cuda_graphs import GraphedDecode
+from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.messages import SamplingParams, StopParams
+from shared.model import presets
+from shared.model.llama import PagedLlama
+
+GIB = 1 << 30
+
+
+def cuda_time_ms(fn, iterations: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)
+
+
+def median(values: list[float]) -> float:
+    return values[len(values) // 2]
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(4 * GIB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = cuda_time_ms(lambda: dst.copy_(src), 10)[0]
+    return 2 * 4 * GIB / (best / 1e3) / 1e9
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    best = cuda_time_ms(lambda: a @ b, 10)[0]
+    return 2 * 8192 ** 3 / (best / 1e3) / 1e12
+
+
+def weight_bytes_per_step(model: PagedLlama) -> int:
+    """Every weight a decode step reads: all layers, final norm and lm_head (embedding rows are negligible)."""
+    tensors = [model.final_norm, model.lm_head]
+    for layer in model.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def prefill_flops(model: PagedLlama, tokens: int) -> float:
+    """Matmul FLOPs of a prompt: 2 * params per token for the linears, plus causal attention."""
+    linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
+    attention = 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
+    return 2 * linear * tokens + 2 * model.lm_head.numel() + attention
+
+
+def transformers_baseline(path: str, context: int) -> dict:
+    hf = presets.random_hf_model(path, torch.bfloat16, "cuda")
+    prompt = torch.randint(0, hf.config.vocab_size, (1, context), device="cuda")
+    mask = torch.ones_like(prompt)
+
+    def generate(n: int):
+        return lambda: hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    one, many = median(cuda_time_ms(generate(1), 3, 1)), median(cuda_time_ms(generate(33), 3, 1))
+    return {"context": context, "ms_per_token": (many - one) / 32, "prefill_ms": one}
+
+
+def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], bandwidth_gbs: float,
+                 budget_bytes: int) -> list[dict]:
+    page_size = 16
+    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.embed.element_size()
+    feasible = [(b, c) for b in batches for c in contexts if b * (c + page_size) * kv_per_token < budget_bytes]
+    pages = max(b * pages_for(c + page_size, page_size) for b, c in feasible) + 1
+    layout = make_layout(model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim, model.embed.dtype)
+    pool, _ = allocate_local_pool(layout, "cuda")
+    weights = weight_bytes_per_step(model)
+    max_pages = pages_for(max(contexts) + page_size, page_size)
+    results = []
+    for batch in batches:
+        if not any(b == batch for b, _ in feasible):
+            continue
+        allocator = PageAllocator(pages)
+        graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], max_pages, [batch])
+        for context in contexts:
+            if (batch, context) not in feasible:
+                continue
+            requests = [DecodingRequest(str(i), allocator.allocate(pages_for(context + 1, page_size)), context - 1,
+                                        1, 1, SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
+            inputs = step_inputs(requests, page_size, torch.device("cuda"))
+            graphed = cuda_time_ms(lambda: graphs.step(inputs), 30)
+            eager = cuda_time_ms(lambda: model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool), 5)
+            floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
+            results.append({"batch": batch, "context": context, "graph_ms_p50": median(graphed),
+                            "graph_ms_min": graphed[0], "eager_ms_p50": median(eager), "floor_ms": floor_ms,
+                            "ratio_to_floor": median(graphed) / floor_ms,
+                            "tokens_per_s": batch / (median(graphed) / 1e3)})
+            for r in requests:
+                allocator.free(r.pages)
+    skipped = [{"batch": b, "context": c, "kv_gib": b * c * kv_per_token / GIB}
+               for b in batches for c in contexts if (b, c) not in feasible]
+    return results + [{"skipped_kv_does_not_fit": skipped}] if skipped else results
+
+
+def bench_prefill(model: PagedLlama, lengths: list[int], tflops: float, chunk: int) -> list[dict]:
+    page_size = 16
+    layout = make_layout(model.num_layers, pages_for(max(lengths), page_size), page_size, model.num_kv_heads,
+                         model.head_dim, model.embed.dtype)
+    pool, _ = allocate_local_pool(layout, "cuda")
+    results = []
+    for length in lengths:
+        ids = torch.randint(0, model.vocab_size, (length,)).tolist()
+        pages = list(range(pages_for(length, page_size)))
+        times = cuda_time_ms(lambda: model.prefill(ids, pool, pages, chunk), 3, 1)
+        achieved = prefill_flops(model, length) / (median(times) / 1e3) / 1e12
+        results.append({"tokens": length, "ms_p50": median(times), "tflops": achieved,
+                        "fraction_of_matmul_rate": achieved / tflops, "chunk_tokens": chunk})
+    return results
+
+
+def bench_handoff(model: PagedLlama, lengths: list[int], bandwidth_gbs: float) -> list[dict]:
+    """The decode's pull: one batched gather of a request's pages from the prefill pool."""
+    page_size = 16
+    pages = pages_for(max(lengths), page_size)
+    layout = make_layout(model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim, model.embed.dtype)
+    src, _ = allocate_local_pool(layout, "cuda")
+    dst, _ = allocate_local_pool(layout, "cuda")
+    results = []
+    for length in lengths:
+        count = pages_for(length, page_size)
+        src_ids = torch.randperm(pages, device="cuda")[:count]
+        dst_ids = torch.randperm(pages, device="cuda")[:count]
+        times = cuda_time_ms(lambda: dst.copy_pages_from(src, src_ids, dst_ids), 20)
+        nbytes = 2 * model.num_layers * count * page_size * model.num_kv_heads * model.head_dim * 2
+        results.append({"tokens": length, "kv_mib": nbytes / (1 << 20), "copy_ms_p50": median(times),
+                        "floor_ms": 2 * nbytes / (bandwidth_gbs * 1e9) * 1e3})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gpu")
+    parser.add_argument("--model", default="random:llama-3.1-8b")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--contexts", default="1024,8192")
+    parser.add_argument("--prefill", default="1024,8192,32768")
+    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    bandwidth, tflops = copy_bandwidth_gbs(), matmul_tflops()
+    print(f"copy {bandwidth:.0f} GB/s, matmul {tflops:.0f} TFLOP/s", file=sys.stderr)
+    baseline = transformers_baseline(args.model, 1024)
+    torch.cuda.empty_cache()  # the baseline's copy of the weights is gone with its function
+    print(f"transformers {baseline}", file=sys.stderr)
+    model = PagedLlama(presets.random_hf_model(args.model, torch.bfloat16, "cuda"), "cuda")
+    torch.cuda.empty_cache()  # the unfused q/k/v and gate/up weights went with the HF module
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+        "copy_bandwidth_gbs": bandwidth, "matmul_bf16_tflops": tflops,
+        "weight_gb_per_step": weight_bytes_per_step(model) / 1e9,
+        "transformers_generate": baseline,
+        "prefill": bench_prefill(model, ints(args.prefill), tflops, args.chunk_tokens),
+        "handoff_copy": bench_handoff(model, [1024, 4096, 8192, 16384, 32768], bandwidth),
+    }
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
+    report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

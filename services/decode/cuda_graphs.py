@@ -1,0 +1,74 @@
+"""Decode steps as CUDA graph replays, one graph per batch-size bucket.
+
+A decode step of a small batch is hundreds of tiny kernels; launched one by one from Python
+they cost more than the bytes they move. Each bucket's step is captured once at start with
+static input buffers; a step then copies its inputs in and replays one graph. A batch is
+padded up to the next bucket: padding rows sit at position 0 of a scratch page that no request
+owns, so they write nothing that matters. Batches above the largest bucket run eagerly.
+The page table is as wide as the model's context, so one graph serves every length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from services.decode.batch import StepInputs
+from shared.kv_pool import PagedKvPool
+from shared.model.llama import PagedLlama
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    page_table: torch.Tensor
+    logits: torch.Tensor
+
+
+class GraphedDecode:
+    def __init__(self, model: PagedLlama, pool: PagedKvPool, scratch_page: int, max_pages: int,
+                 batch_sizes: list[int]):
+        self.model, self.pool, self.scratch_page = model, pool, scratch_page
+        self.sizes = sorted(batch_sizes)
+        self.captured: dict[int, _Captured] = {}
+        memory_pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            self.captured[size] = self._capture(size, max_pages, memory_pool)
+        log.info("captured decode graphs", batch_sizes=self.sizes, max_pages=max_pages)
+
+    def _capture(self, size: int, max_pages: int, memory_pool) -> _Captured:
+        device = self.model.device
+        token_ids = torch.zeros(size, dtype=torch.long, device=device)
+        positions = torch.zeros(size, dtype=torch.long, device=device)
+        page_table = torch.full((size, max_pages), self.scratch_page, dtype=torch.int32, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the capture: autotuning, lazy allocations
+            for _ in range(2):
+                self.model.decode(token_ids, positions, page_table, self.pool)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=memory_pool):
+            logits = self.model.decode(token_ids, positions, page_table, self.pool)
+        return _Captured(graph, token_ids, positions, page_table, logits)
+
+    def step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits [B, V] from one replay, or None when B exceeds every bucket (run eagerly)."""
+        batch = len(inputs.token_ids)
+        size = next((s for s in self.sizes if s >= batch), None)
+        if size is None:
+            return None
+        c = self.captured[size]
+        c.token_ids[:batch].copy_(inputs.token_ids, non_blocking=True)
+        c.positions[:batch].copy_(inputs.positions, non_blocking=True)
+        c.positions[batch:].zero_()
+        c.page_table.fill_(self.scratch_page)
+        c.page_table[:batch, : inputs.page_table.shape[1]].copy_(inputs.page_table, non_blocking=True)
+        c.graph.replay()
+        return c.logits[:batch]

@@ -1,0 +1,118 @@
+"""The GPU path: CUDA IPC handoff, CUDA-graph decode, stream priority, and the stack on a GPU.
+
+Run with `make test-gpu` (pytest -m gpu) on a machine with CUDA; on the CPU every test skips.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from tests.stack import REPO
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+EIGHT_B_KV = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
+    """A prefill-side pool exported by CUDA IPC, pulled by another process into its own pool."""
+    from shared import wire
+    from shared.kv_share import export_pool
+
+    tokens, page_size = 32 * 1024, 16
+    layout = make_layout(num_pages=pages_for(tokens, page_size) + 64, page_size=page_size, **EIGHT_B_KV)
+    exported = export_pool(layout, "gpu-test", "cuda:0")
+    src_pages = torch.randperm(layout.num_pages, device="cuda")[: pages_for(tokens, page_size)]
+    exported.pool.kv[:, src_pages] = torch.randn(exported.pool.kv[:, src_pages].shape, device="cuda",
+                                                 dtype=torch.bfloat16)
+    expected = exported.pool.kv[:, src_pages].view(torch.int16).double().sum().item()
+    torch.cuda.synchronize()
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    (tmp_path / "pages").write_text(",".join(map(str, src_pages.tolist())))
+    child = textwrap.dedent(f"""
+        import sys, time, torch
+        from pathlib import Path
+        from shared import wire
+        from shared.kv_pool import allocate_local_pool
+        from shared.kv_share import map_pool
+        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
+        src = torch.tensor([int(p) for p in Path({str(tmp_path / 'pages')!r}).read_text().split(",")], device="cuda")
+        mapped = map_pool(handle, "cuda:0")
+        local, _ = allocate_local_pool(handle.layout, "cuda:0")
+        dst = torch.arange(len(src), device="cuda")
+        local.copy_pages_from(mapped.pool, src, dst)
+        torch.cuda.synchronize()
+        assert torch.equal(local.kv[:, dst], mapped.pool.kv[:, src])
+        print(local.kv[:, dst].view(torch.int16).double().sum().item())
+    """)
+    out = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) == expected
+    exported.close()
+
+
+def _pool_message(handle):
+    from shared.messages import PoolAvailable
+
+    return PoolAvailable("prefill-test", handle)
+
+
+def test_decode_stream_has_the_highest_priority():
+    from shared.device import worker_stream
+
+    high = worker_stream(torch.device("cuda:0"), high_priority=True)
+    normal = worker_stream(torch.device("cuda:0"), high_priority=False)
+    assert high.priority < normal.priority  # lower number, higher priority
+
+
+def test_graphed_decode_equals_eager():
+    from services.decode.batch import DecodingRequest, step_inputs
+    from services.decode.cuda_graphs import GraphedDecode
+    from shared.messages import SamplingParams, StopParams
+    from shared.model.llama import load_paged_llama
+
+    model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
+    layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
+    requests = []
+    for i, length in enumerate([5, 40, 17]):
+        pages = allocator.allocate(pages_for(length + 8, 16))
+        model.prefill(list(range(3, 3 + length)), pool, pages)
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0), StopParams(8, True)))
+    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    kv_before = pool.kv.clone()
+    graphed = graphs.step(inputs).clone()
+    pool.kv.copy_(kv_before)
+    eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)
+    torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_stack_on_gpu_matches_transformers(tmp_path):
+    """The whole stack on the GPU in float32 (a random-weight Llama, built from the same seed in
+    every process) against transformers' generate on the same weights."""
+    from pdserve.v1 import generation_pb2
+
+    from shared.model.presets import random_hf_model
+    from tests.conftest import CACHE_DIR
+    from tests.stack import ServiceStack
+    from tests.test_e2e_generation import _assert_matches_reference, _reference
+
+    model_path = "random:llama-tiny"
+    reference = random_hf_model(model_path, torch.float32, "cuda:0")
+    prompts = [[1, 5, 9, 200, 31, 7], list(range(10, 90)), [3] * 40 + [17, 19, 23]]
+    settings = {"PDSERVE_MODEL_PATH": model_path, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "float32"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
+        for prompt in prompts:
+            request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
+            ids = [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
+            expected, logits = _reference(reference, prompt, 16)
+            _assert_matches_reference(ids, expected, logits, f"gpu prompt of {len(prompt)}")
+        stack.assert_pools_drained()
