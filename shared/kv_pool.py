@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shared import kv_copy_triton
 from shared.messages import KvLayout
 
 SHARD_ALIGN_BYTES = 256
@@ -64,8 +65,12 @@ class PagedKvPool:
         return list(self.kv.unbind(0))
 
     def copy_pages_from(self, src: "PagedKvPool", src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """All layers' K and V for the listed pages in one batched gather and scatter."""
-        self.kv[:, dst_pages] = src.kv[:, src_pages]
+        """All layers' K and V for the listed pages: one Triton launch on a GPU, one batched
+        gather and scatter on the CPU."""
+        if self.kv.is_cuda:
+            kv_copy_triton.copy_pages(src.kv, self.kv, src_pages, dst_pages)
+        else:
+            self.kv[:, dst_pages] = src.kv[:, src_pages]
 
 
 def allocate_local_pool(layout: KvLayout, device: torch.device | str) -> tuple[PagedKvPool, torch.Tensor]:
