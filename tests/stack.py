@@ -98,6 +98,15 @@ class ServiceStack:
     def workers(self) -> list:
         return list(self.stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=5).workers)
 
+    def wait_worker_gone(self, role: str, timeout_s: float = 15.0) -> float:
+        """Seconds until the router no longer lists a worker of that role."""
+        started = time.monotonic()
+        while any(w.role == role for w in self.workers()):
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"the router still lists a {role} worker")
+            time.sleep(0.1)
+        return time.monotonic() - started
+
     def assert_pools_drained(self, timeout_s: float = 10.0) -> None:
         """Every page of every pool is free and unreserved (heartbeats report it within a second)."""
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,109 @@
+"""Faults done for real: workers killed mid-request, the router restarted, pools too small."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from pdserve.v1 import generation_pb2
+
+from tests.conftest import CACHE_DIR
+from tests.stack import ServiceStack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+FAST_HEARTBEATS = {"PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S": "1.5", "PDSERVE_WORKER_HEARTBEAT_INTERVAL_S": "0.25"}
+
+
+def _long_request() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt="Count slowly:", max_tokens=2000, ignore_eos=True, temperature=0)
+
+
+def _short_request() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt="Hello", max_tokens=3, ignore_eos=True, temperature=0)
+
+
+def _tokens(stub, request, timeout=60.0) -> int:
+    return sum(len(c.token_ids) for c in stub.Generate(request, timeout=timeout))
+
+
+@pytest.fixture()
+def stack(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, **FAST_HEARTBEATS) as services:
+        yield services
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_killed_worker_fails_its_requests_and_a_restarted_one_serves(stack, victim):
+    call = stack.stub.Generate(_long_request(), timeout=120)
+    next(call)  # the request is decoding: the prefill still holds nothing, the decode does
+    killed_at = time.monotonic()
+    stack.signal(victim, signal.SIGKILL)
+    if victim == "decode":
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in call:
+                pass
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - killed_at < 10, "the request must end promptly"
+    else:
+        call.cancel()  # its KV was already pulled: the decode finishes it; cancelling frees the decode
+    assert stack.wait_worker_gone(victim) < 10, "the router must notice a dead worker through heartbeats"
+    stack.processes[victim].wait(timeout=10)
+    stack.start(victim)
+    stack.wait_serving()
+    assert _tokens(stack.stub, _short_request()) == 3
+    stack.assert_pools_drained()
+
+
+def test_prefill_killed_before_handoff_fails_the_request_unavailable(stack):
+    stack.signal("prefill", signal.SIGSTOP)  # a hung prefill: heartbeats stop, tasks pile up
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            _tokens(stack.stub, _short_request(), timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.signal("prefill", signal.SIGKILL)
+        stack.processes["prefill"].wait(timeout=10)
+    stack.wait_worker_gone("prefill")
+    stack.start("prefill")
+    stack.wait_serving()
+    assert _tokens(stack.stub, _short_request()) == 3
+    stack.assert_pools_drained()
+
+
+def test_workers_reregister_after_router_restart(stack):
+    stack.signal("router", signal.SIGTERM)
+    assert stack.processes["router"].wait(timeout=30) == 0
+    stack.start("router")
+    stack.wait_serving()  # SERVING means both workers registered with the new router
+    assert _tokens(stack.stub, _short_request()) == 3
+
+
+def test_overload_is_resource_exhausted_and_nothing_is_lost(checkpoint, tmp_path):
+    """A decode pool with room for one request and a queue of one: the rest are refused explicitly."""
+    settings = {"PDSERVE_KV_DECODE_PAGES": "40", "PDSERVE_ROUTER_MAX_WAITING_REQUESTS": "1",
+                "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "60"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
+        request = generation_pb2.GenerateRequest(prompt="Tell me about the sea.", max_tokens=400, ignore_eos=True,
+                                                 temperature=0)
+        outcomes: list[object] = []
+
+        def run():
+            try:
+                outcomes.append(_tokens(stack.stub, request, timeout=300))
+            except grpc.RpcError as exc:
+                outcomes.append(exc.code())
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=320)
+        assert len(outcomes) == 4, "every request ends, with tokens or an explicit error"
+        assert outcomes.count(400) >= 1
+        assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+        assert set(outcomes) <= {400, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        stack.assert_pools_drained()

@@ -1,0 +1,255 @@
+"""The fused Triton kernels against the PyTorch expressions of shared/model/llama.py they replace.
+
+Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
+cases run compiled on the GPU, plus bf16 cases at Llama-3.1-8B size.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported: @triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from shared.model import fused_triton  # noqa: E402
+from shared.model.fused_triton import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+EPS = 1e-5
+PAGE_SIZE = 16
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+# --- references, as in PagedLlama (shared/model/llama.py) ---------------------------------------
+
+def ref_rms_norm(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def ref_rope(x, positions, cos_table, sin_table):
+    cos, sin = cos_table[positions][:, None, :], sin_table[positions][:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def ref_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, pages, offsets, num_heads, num_kv_heads, head_dim):
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = ref_rope(q.view(-1, num_heads, head_dim), positions, cos, sin)
+    k = ref_rope(k.view(-1, num_kv_heads, head_dim), positions, cos, sin)
+    k_cache[pages.long(), offsets.long()] = k
+    v_cache[pages.long(), offsets.long()] = v.view(-1, num_kv_heads, head_dim)
+    return q
+
+
+def ref_silu_and_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- cases ---------------------------------------------------------------------------------------
+
+def rope_tables(head_dim, max_positions, dtype, device, scaling=0.9):
+    """cos/sin as PagedLlama builds them: fp32 angles, both halves equal, scaled, cast to dtype."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(device, dtype), (angles.sin() * scaling).to(device, dtype)
+
+
+def rope_case(rows, num_heads, num_kv_heads, head_dim, dtype, device, index_dtype=torch.int64, seed=0):
+    """qkv rows with random positions, each row in its own page (shuffled) at an offset >= 1.
+    The caches are strided views into a NaN pool that also holds a padding head, so any write
+    outside the addressed slots shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    max_positions = 4096
+    num_pages = rows + 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(rows, width, generator=gen).to(device, dtype)
+    positions = torch.randint(0, max_positions, (rows,), generator=gen)
+    pages = torch.randperm(num_pages, generator=gen)[:rows]
+    offsets = torch.randint(1, PAGE_SIZE, (rows,), generator=gen)
+    pool = torch.full((2, num_pages, PAGE_SIZE, num_kv_heads + 1, head_dim), float("nan"), dtype=dtype, device=device)
+    cos, sin = rope_tables(head_dim, max_positions, dtype, device)
+    return dict(qkv=qkv, cos=cos, sin=sin, positions=positions.to(device), pool=pool,
+                pages=pages.to(device, index_dtype), offsets=offsets.to(device, index_dtype))
+
+
+def cache_views(pool):
+    return pool[0, :, :, 1:], pool[1, :, :, :-1]
+
+
+def check_rope(rows, num_heads, num_kv_heads, head_dim, dtype, device, tol, index_dtype=torch.int64):
+    case = rope_case(rows, num_heads, num_kv_heads, head_dim, dtype, device, index_dtype)
+    args = (case["cos"], case["sin"], case["positions"])
+    slots = (case["pages"], case["offsets"], num_heads, num_kv_heads, head_dim)
+    pool, ref_pool = case["pool"], case["pool"].clone()
+
+    q = rope_write_kv(case["qkv"], *args, *cache_views(pool), *slots)
+    ref_q = ref_qkv_write(case["qkv"], case["positions"], case["cos"], case["sin"], *cache_views(ref_pool), *slots)
+
+    assert q.shape == (rows, num_heads, head_dim) and q.dtype == dtype
+    torch.testing.assert_close(q, ref_q, **tol)
+    written = torch.zeros(pool.shape, dtype=torch.bool, device=device)
+    for k_or_v in (cache_views(written)):
+        k_or_v[case["pages"].long(), case["offsets"].long()] = True
+    assert pool[~written].isnan().all(), "rope_write_kv wrote outside the addressed slots"
+    torch.testing.assert_close(pool[written], ref_pool[written], **tol)
+
+
+# --- CPU interpreter (or compiled, when CUDA is present), fp32 -----------------------------------
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("hidden", [64, 128, 96])
+def test_rms_norm(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(DEVICE)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE)
+    out = rms_norm(x, weight, EPS)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, EPS), **FP32_TOL)
+
+
+def test_rms_norm_strided_rows():
+    # A row stride wider than the hidden size, as for a slice of a larger activation buffer.
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 200, generator=gen).to(DEVICE)[:, :128]
+    weight = torch.randn(128, generator=gen).to(DEVICE)
+    torch.testing.assert_close(rms_norm(x, weight, EPS), ref_rms_norm(x, weight, EPS), **FP32_TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_add_rms_norm(rows, hidden):
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    residual = (torch.randn(rows, hidden, generator=gen) * 4).to(DEVICE)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed, summed = add_rms_norm(x, residual, weight, EPS)
+    ref_summed = x + residual
+    torch.testing.assert_close(summed, ref_summed, **FP32_TOL)
+    torch.testing.assert_close(normed, ref_rms_norm(ref_summed, weight, EPS), **FP32_TOL)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs must not change"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 8), (32, 8)],
+                         ids=["kvh2-mha", "kvh2-gqa4", "kvh8-mha", "kvh8-gqa4"])
+def test_rope_write_kv(rows, head_dim, num_heads, num_kv_heads):
+    check_rope(rows, num_heads, num_kv_heads, head_dim, torch.float32, DEVICE, FP32_TOL)
+
+
+def test_rope_write_kv_int32_slots():
+    check_rope(5, 8, 2, 64, torch.float32, DEVICE, FP32_TOL, index_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("inter", [64, 1500])  # 1500: two blocks, the second partial
+def test_silu_and_mul(rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(DEVICE)
+    out = silu_and_mul(gate_up)
+    assert out.shape == (rows, inter) and out.dtype == gate_up.dtype
+    torch.testing.assert_close(out, ref_silu_and_mul(gate_up), **FP32_TOL)
+
+
+def test_bad_shapes_raise():
+    x = torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError):
+        rms_norm(x, torch.ones(32, device=DEVICE), EPS)
+    with pytest.raises(ValueError):
+        silu_and_mul(torch.randn(3, 7, device=DEVICE))
+    case = rope_case(3, 4, 2, 64, torch.float32, DEVICE)
+    with pytest.raises(ValueError):  # qkv width does not match 4 q + 2x2 kv heads
+        rope_write_kv(case["qkv"], case["cos"], case["sin"], case["positions"], *cache_views(case["pool"]),
+                      case["pages"], case["offsets"], 4, 1, 64)
+
+
+def test_imports_without_triton(monkeypatch):
+    # The CPU code path imports this module where triton is not installed.
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("fused_triton_no_triton", fused_triton.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ImportError, match="needs triton"):
+        module.rms_norm(torch.randn(1, 64), torch.ones(64), EPS)
+
+
+# --- compiled on CUDA, bf16 at Llama-3.1-8B size -------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not COMPILED_CUDA, reason="needs CUDA with compiled (not interpreted) Triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 257])
+def test_norms_bf16_cuda(rows):
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) * 4
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    torch.testing.assert_close(rms_norm(x, weight, EPS), ref_rms_norm(x, weight, EPS), **BF16_TOL)
+    normed, summed = add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, ref_rms_norm(x + residual, weight, EPS), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 200])
+def test_rope_write_kv_bf16_cuda(rows):
+    check_rope(rows, 32, 8, 128, torch.bfloat16, "cuda", BF16_TOL, index_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 257])
+def test_silu_and_mul_bf16_cuda(rows):
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
+    torch.testing.assert_close(silu_and_mul(gate_up), ref_silu_and_mul(gate_up), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_capture():
+    # All four functions captured together and replayed on new inputs written in place.
+    rows, hidden, heads, kv_heads, dim, inter = 8, 4096, 32, 8, 128, 14336
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    case = rope_case(rows, heads, kv_heads, dim, torch.bfloat16, "cuda", torch.int32)
+    k_cache, v_cache = cache_views(case["pool"])
+
+    def step():
+        normed, summed = add_rms_norm(x, residual, weight, EPS)
+        q = rope_write_kv(case["qkv"], case["cos"], case["sin"], case["positions"], k_cache, v_cache,
+                          case["pages"], case["offsets"], heads, kv_heads, dim)
+        return rms_norm(summed, weight, EPS), normed, q, silu_and_mul(gate_up)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    x.copy_(torch.randn_like(x))
+    case["qkv"].copy_(torch.randn_like(case["qkv"]))
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    expected = step()
+    for got, want in zip(outs, expected):
+        assert torch.equal(got, want)
