@@ -174,7 +174,7 @@ def main() -> None:
     baseline = transformers_baseline(args.model, 1024)
     torch.cuda.empty_cache()  # the baseline's copy of the weights is gone with its function
     print(f"transformers {baseline}", file=sys.stderr)
-    model = PagedLlama(presets.random_hf_model(args.model, torch.bfloat16, "cuda"), "cuda")
+    model = PagedLlama.from_hf(presets.random_hf_model(args.model, torch.bfloat16, "cuda"), "cuda")
     torch.cuda.empty_cache()  # the unfused q/k/v and gate/up weights went with the HF module
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,

@@ -97,6 +97,9 @@ class DecodeConfig:
     # Empty means the upper half of the allowed cores (disjoint from the prefill's default).
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     max_batch_size: int = _positive(default=64)
+    # GPU only: the worker id of a prefill on the same GPU whose weights this decode maps through
+    # CUDA IPC instead of loading its own copy; empty: load a copy.
+    weights_from: str = ""
     # On a GPU a step of up to this many requests is one CUDA graph replay; larger batches run
     # eagerly. Empty: no graphs.
     cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(

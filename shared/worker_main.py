@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 
 import structlog
 
@@ -14,23 +15,42 @@ from shared.config import Config, parse_service_config
 from shared.log import configure_logging
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
+from shared.model.weight_share import map_weights, weights_file
 from shared.process import pin_to_cores, stop_event_on_signals
 from shared.sampling import FinishCheck
 
 log = structlog.get_logger()
 
+WEIGHTS_WAIT_S = 600.0  # the prefill may still be loading a large model
 
-def start_worker(service: str, worker_id_of, cores_of, half: str) -> tuple[Config, PagedLlama, FinishCheck, threading.Event]:
+
+@dataclass
+class Worker:
+    config: Config
+    model: PagedLlama
+    finish: FinishCheck
+    stopping: threading.Event
+
+
+def start_worker(service: str) -> Worker:
+    """service is "prefill" or "decode": its config section names the worker id and cores."""
     config = parse_service_config(service)
-    configure_logging(service, worker_id_of(config), config.log.format, config.log.level)
+    section = getattr(config, service)
+    configure_logging(service, section.worker_id, config.log.format, config.log.level)
     stopping = stop_event_on_signals()
-    cores = pin_to_cores(cores_of(config), half)
+    cores = pin_to_cores(section.cpu_cores, "lower" if service == "prefill" else "upper")
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
-    model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
+    weights_from = getattr(section, "weights_from", "")
+    if weights_from:
+        path = weights_file(config.router.runtime_dir, weights_from)
+        model, owner_pid = map_weights(hf_config, path, config.model.device, WEIGHTS_WAIT_S)
+        log.info("mapped shared weights", prefill=weights_from, owner_pid=owner_pid)
+    else:
+        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
     finish = FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context)
-    log.info("model loaded", checkpoint=str(checkpoint), cores=cores, layers=model.num_layers)
-    return config, model, finish, stopping
+    log.info("model ready", checkpoint=str(checkpoint), cores=cores, layers=model.num_layers)
+    return Worker(config, model, finish, stopping)
 
 
 def exit_on_error(main) -> None:

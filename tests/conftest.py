@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
-from tests.stack import ServiceStack
+# Triton kernels run under the interpreter on a machine without CUDA. It must be chosen before
+# anything imports triton, and product modules (shared.kv_pool) import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.stack import ServiceStack  # noqa: E402
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 

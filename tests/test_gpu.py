@@ -116,3 +116,52 @@ def test_stack_on_gpu_matches_transformers(tmp_path):
             expected, logits = _reference(reference, prompt, 16)
             _assert_matches_reference(ids, expected, logits, f"gpu prompt of {len(prompt)}")
         stack.assert_pools_drained()
+
+
+def test_fused_gpu_decode_equals_the_cpu_path():
+    """The decode step with fused Triton kernels on the GPU against the plain PyTorch path on the CPU."""
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    hf = random_hf_model("random:llama-tiny", torch.float32, "cuda:0")
+    gpu = PagedLlama.from_hf(hf, "cuda:0")
+    cpu = PagedLlama.from_hf(hf.cpu(), "cpu")
+    layout = make_layout(gpu.num_layers, 16, 16, gpu.num_kv_heads, gpu.head_dim, torch.float32)
+    pools = {"cuda:0": allocate_local_pool(layout, "cuda:0")[0], "cpu": allocate_local_pool(layout, "cpu")[0]}
+    logits = {}
+    for device, model in (("cuda:0", gpu), ("cpu", cpu)):
+        pool = pools[device]
+        model.prefill(list(range(5, 45)), pool, [3, 7, 1])
+        model.prefill(list(range(60, 73)), pool, [9])
+        logits[device] = model.decode(torch.tensor([11, 12], device=device), torch.tensor([40, 13], device=device),
+                                      torch.tensor([[3, 7, 1], [9, 0, 0]], device=device), pool)
+    torch.testing.assert_close(logits["cuda:0"].cpu(), logits["cpu"], atol=1e-3, rtol=1e-3)
+
+
+def test_decode_maps_the_prefill_weights(tmp_path):
+    """decode.weights_from: one copy of the weights on the GPU; greedy tokens unchanged; the decode
+    exits when the prefill that owns the weights is gone."""
+    import signal
+
+    from pdserve.v1 import generation_pb2
+
+    from shared.model.presets import random_hf_model
+    from tests.conftest import CACHE_DIR
+    from tests.stack import ServiceStack
+    from tests.test_e2e_generation import _assert_matches_reference, _reference
+
+    model_path = "random:llama-tiny"
+    reference = random_hf_model(model_path, torch.float32, "cuda:0")
+    settings = {"PDSERVE_MODEL_PATH": model_path, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "float32",
+                "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0", "PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S": "1.5",
+                "PDSERVE_WORKER_HEARTBEAT_INTERVAL_S": "0.25"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
+        assert "mapped shared weights" in stack.log_path("decode").read_text()
+        prompt = list(range(10, 60))
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
+        ids = [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
+        expected, logits = _reference(reference, prompt, 16)
+        _assert_matches_reference(ids, expected, logits, "shared weights")
+        stack.signal("prefill", signal.SIGKILL)
+        assert stack.processes["decode"].wait(timeout=30) == 1
+        assert "is gone" in stack.log_path("decode").read_text()

@@ -13,7 +13,6 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 
 import structlog
@@ -23,24 +22,48 @@ from services.decode.cuda_graphs import GraphedDecode
 from services.decode.handoff import HandoffError, KvPuller
 from shared.config import Config
 from shared.device import on_stream, worker_stream
-from shared.kv_pool import (PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed, make_layout,
-                            pages_for)
-from shared.messages import (Abort, DecodeTask, ErrorCode, Failed, Heartbeat, KvPulled, PoolAvailable, PoolGone,
-                             Register, Role, TokenBatch, TokenOut)
-from shared.model.llama import PagedLlama
+from shared.kv_pool import (
+    PageAllocator,
+    PoolExhausted,
+    allocate_local_pool,
+    decode_pages_needed,
+    make_layout,
+    pages_for,
+)
+from shared.messages import (
+    Abort,
+    DecodeTask,
+    ErrorCode,
+    Failed,
+    Heartbeat,
+    KvPulled,
+    PoolAvailable,
+    PoolGone,
+    Register,
+    Role,
+    TokenBatch,
+    TokenOut,
+)
 from shared.router_link import RouterLink
-from shared.sampling import FinishCheck, sample
+from shared.sampling import sample
+from shared.worker_main import Worker
 
 log = structlog.get_logger()
 
 
+class WeightsOwnerGone(RuntimeError):
+    """Exits the decode (its supervisor restarts it once the prefill is back)."""
+
+
 class DecodeWorker:
-    def __init__(self, config: Config, model: PagedLlama, finish: FinishCheck, stopping: threading.Event):
+    def __init__(self, worker: Worker):
+        config, model = worker.config, worker.model
         self.worker_id = config.decode.worker_id
         self.model = model
-        self.finish = finish
-        self.stopping = stopping
+        self.finish = worker.finish
+        self.stopping = worker.stopping
         self.max_batch_size = config.decode.max_batch_size
+        self.weights_from = config.decode.weights_from
         layout = make_layout(model.num_layers, config.kv.decode_pages, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
@@ -102,6 +125,8 @@ class DecodeWorker:
 
     def _on_pool_gone(self, message: PoolGone) -> None:
         self.puller.unmap_pool(message.prefill_worker_id)
+        if message.prefill_worker_id == self.weights_from:
+            raise WeightsOwnerGone(f"prefill {self.weights_from}, whose weights this decode maps, is gone")
 
     def _on_task(self, task: DecodeTask) -> None:
         try:

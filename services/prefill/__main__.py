@@ -5,9 +5,7 @@ from shared.worker_main import exit_on_error, start_worker
 
 
 def main() -> None:
-    config, model, finish, stopping = start_worker(
-        "prefill", lambda c: c.prefill.worker_id, lambda c: c.prefill.cpu_cores, half="lower")
-    PrefillWorker(config, model, finish, stopping).run()
+    PrefillWorker(start_worker("prefill")).run()
 
 
 if __name__ == "__main__":

@@ -11,31 +11,30 @@ The pool is exported once at start (shared/kv_share.py); only page ids leave thi
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 
 import structlog
 
-from shared.config import Config
 from shared.device import on_stream, worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
 from shared.kv_share import export_pool
-from shared.messages import (Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv,
-                             Role)
-from shared.model.llama import PagedLlama
+from shared.messages import Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv, Role
+from shared.model.weight_share import publish_weights, weights_file
 from shared.router_link import RouterLink
-from shared.sampling import FinishCheck, sample
+from shared.sampling import sample
+from shared.worker_main import Worker
 
 log = structlog.get_logger()
 
 
 class PrefillWorker:
-    def __init__(self, config: Config, model: PagedLlama, finish: FinishCheck, stopping: threading.Event):
+    def __init__(self, worker: Worker):
+        config, model = worker.config, worker.model
         self.worker_id = config.prefill.worker_id
         self.model = model
-        self.finish = finish
-        self.stopping = stopping
+        self.finish = worker.finish
+        self.stopping = worker.stopping
         self.chunk_tokens = config.prefill.chunk_tokens
         self.stream = worker_stream(model.device, high_priority=False)
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
@@ -46,6 +45,11 @@ class PrefillWorker:
         self.held: dict[str, list[int]] = {}
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
                                self._heartbeat, config.worker.heartbeat_interval_s)
+        self.weights_path = None
+        if model.device.type == "cuda":  # a decode on this GPU may map them (decode.weights_from)
+            self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
+            self.weights_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            publish_weights(model, self.weights_path)
         self.handlers = {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort}
 
     def _registration(self) -> Register:
@@ -120,4 +124,6 @@ class PrefillWorker:
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
         self.link.close()
         self.exported.close()
+        if self.weights_path is not None:
+            self.weights_path.unlink(missing_ok=True)
         log.info("prefill worker stopped", held_pages=sum(map(len, self.held.values())))

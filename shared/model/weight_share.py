@@ -1,0 +1,54 @@
+"""One copy of the weights on a GPU shared by prefill and decode, through CUDA IPC.
+
+When both workers sit on one GPU, the prefill publishes its weights once: a file in the runtime
+folder (only the service user can enter it) lists, for every tensor, the CUDA IPC handle of its
+storage with the tensor's offset, shape, stride and dtype. A decode configured with
+`decode.weights_from = "<prefill worker id>"` maps them instead of loading its own copy
+(16 GB for the 8B shape). The decode then depends on that prefill process: when the router
+reports the prefill gone (PoolGone), the decode exits and its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+
+from shared.model.llama import LlamaWeights, PagedLlama
+
+
+def weights_file(runtime_dir: str, prefill_worker_id: str) -> Path:
+    return Path(runtime_dir) / f"weights-{prefill_worker_id}.msgpack"
+
+
+def publish_weights(model: PagedLlama, path: Path) -> None:
+    entries = {}
+    for name, tensor in model.weights.named().items():
+        shared = tensor.untyped_storage()._share_cuda_()  # noqa: SLF001  the call torch.multiprocessing uses
+        entries[name] = [list(shared), tensor.storage_offset(), list(tensor.shape), list(tensor.stride()),
+                         str(tensor.dtype).removeprefix("torch.")]
+    staging = path.with_suffix(".tmp")
+    staging.write_bytes(msgpack.packb({"pid": os.getpid(), "tensors": entries}, use_bin_type=True))
+    os.replace(staging, path)  # a reader sees the whole file or none
+
+
+def map_weights(config, path: Path, device: torch.device | str, timeout_s: float) -> tuple[PagedLlama, int]:
+    """The model over the publisher's weights, and the publisher's pid."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no weights published at {path} within {timeout_s} s")
+        time.sleep(0.2)
+    published = msgpack.unpackb(path.read_bytes(), raw=False)
+    device = torch.device(device)
+    torch.cuda.set_device(device)
+    tensors = {}
+    for name, (shared, offset, shape, stride, dtype) in published["tensors"].items():
+        storage = torch.UntypedStorage._new_shared_cuda(*shared)  # noqa: SLF001
+        tensor = torch.empty(0, dtype=getattr(torch, dtype), device=device)
+        tensors[name] = tensor.set_(storage, offset, shape, stride)
+    weights = LlamaWeights.from_named(tensors, config.num_hidden_layers)
+    return PagedLlama(config, weights, device), published["pid"]
