@@ -64,10 +64,12 @@ class DecodeWorker:
         self.stopping = worker.stopping
         self.max_batch_size = config.decode.max_batch_size
         self.weights_from = config.decode.weights_from
-        layout = make_layout(model.num_layers, config.kv.decode_pages, config.kv.page_size,
+        # One page more than the allocator hands out: the CUDA graphs' padding rows write there.
+        layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
-        self.allocator = PageAllocator(layout.num_pages)
+        self.allocator = PageAllocator(config.kv.decode_pages)
+        self.scratch_page = config.kv.decode_pages
         self.puller = KvPuller(self.pool)
         self.stream = worker_stream(model.device, high_priority=True)
         self.graphs = self._capture_graphs(config) if model.device.type == "cuda" else None
@@ -82,10 +84,9 @@ class DecodeWorker:
         sizes = config.decode.graph_batch_sizes()
         if not sizes:
             return None
-        scratch = self.allocator.allocate(1)[0]  # padding rows write here; no request owns it
         max_pages = min(pages_for(self.model.max_context, self.pool.layout.page_size), self.pool.layout.num_pages)
         with on_stream(self.stream):
-            return GraphedDecode(self.model, self.pool, scratch, max_pages, sizes)
+            return GraphedDecode(self.model, self.pool, self.scratch_page, max_pages, sizes)
 
     def _registration(self) -> Register:
         return Register(self.worker_id, Role.DECODE, os.getpid(), self.allocator.num_pages,
