@@ -189,7 +189,7 @@ def concurrent_report(timelines: list[Timeline], wall_s: float) -> dict:
 
 
 def worker_cores(stack: ServiceStack, service: str) -> list[int]:
-    loaded = log_events(stack.log_path(service), "model loaded")
+    loaded = log_events(stack.log_path(service), "model ready")
     return loaded[-1]["cores"] if loaded else []
 
 

@@ -109,22 +109,22 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def build_model(path: str, seed: int) -> PagedLlama:
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: this benchmark needs a GPU (and the MPS daemon)")
-    model = PagedLlama(presets.random_hf_model(path, torch.bfloat16, DEVICE, seed=seed), DEVICE)
+    model = PagedLlama.from_hf(presets.random_hf_model(path, torch.bfloat16, DEVICE, seed=seed), DEVICE)
     torch.cuda.empty_cache()  # the unfused q/k/v and gate/up weights went with the HF module
     return model
 
 
 def decode_batch(model: PagedLlama, batch: int, context: int):
-    """A pool holding `batch` requests of `context` tokens, one scratch page, and the step's inputs."""
-    per_request = pages_for(context + PAGE_SIZE, PAGE_SIZE)
-    pages = batch * per_request + 1
-    layout = make_layout(model.num_layers, pages, PAGE_SIZE, model.num_kv_heads, model.head_dim, model.embed.dtype)
+    """`batch` requests of `context` tokens in a pool laid out as the decode worker's: the graphs'
+    scratch page past the allocator's pages, the graphs' page table as wide as the pool."""
+    allocator = PageAllocator(batch * pages_for(context + PAGE_SIZE, PAGE_SIZE))
+    layout = make_layout(model.num_layers, allocator.num_pages + 1, PAGE_SIZE, model.num_kv_heads, model.head_dim,
+                         model.embed.dtype)
     pool, _ = allocate_local_pool(layout, model.device)
-    allocator = PageAllocator(pages)
-    scratch = allocator.allocate(1)[0]
-    requests = [DecodingRequest(str(i), allocator.allocate(per_request), context - 1, 1, 1,
-                                SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
-    return pool, scratch, per_request, step_inputs(requests, PAGE_SIZE, model.device)
+    requests = [DecodingRequest(str(i), allocator.allocate(pages_for(context + PAGE_SIZE, PAGE_SIZE)), context - 1,
+                                1, 1, SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
+    graph_pages = min(pages_for(model.max_context, PAGE_SIZE), layout.num_pages)
+    return pool, allocator.num_pages, graph_pages, step_inputs(requests, PAGE_SIZE, model.device)
 
 
 def decode_child(args, send) -> None:
@@ -298,6 +298,8 @@ def collect(children: dict[str, Child], events: queue.Queue, event: str, timeout
             continue  # a child exits once it has sent its result
         if message is None:
             raise ArrangementFailed(children[role].failure(f"exited before {event!r}"))
+        if message.get("event") == "error":
+            raise ArrangementFailed(children[role].failure(f"failed: {message.get('error')}"))
         if message.get("event") != event:
             raise ArrangementFailed(children[role].failure(f"sent {message} while {event!r} was awaited"))
         got[role] = message
@@ -451,8 +453,9 @@ def check_mps(arrangement: Arrangement, daemon: MpsDaemon, pids: dict[str, int])
 
 def child_args(args) -> list[str]:
     return ["--parent-pid", str(os.getpid()), "--model", args.model, "--seed", str(args.seed),
-            "--window-s", str(args.window_s), "--decode-batch", str(args.decode_batch), "--decode-context", str(args.decode_context),
-            "--prompt-tokens", str(args.prompt_tokens), "--chunk-tokens", str(args.chunk_tokens)]
+            "--window-s", str(args.window_s), "--decode-batch", str(args.decode_batch),
+            "--decode-context", str(args.decode_context), "--prompt-tokens", str(args.prompt_tokens),
+            "--chunk-tokens", str(args.chunk_tokens)]
 
 
 def run_arrangement(arrangement: Arrangement, args, daemon: MpsDaemon, logs: Path) -> dict:
@@ -505,7 +508,8 @@ def recommend(rows: list[dict], max_p99_ratio: float) -> dict:
     candidates = [r for r in rows if "decode_p99_ratio" in r and "prefill_tflops" in r and r["mps_check"]["verified"]]
     qualified = [r for r in candidates if r["decode_p99_ratio"] <= max_p99_ratio]
     if not candidates:
-        return {"rule": rule, "arrangement": None, "why": "no two-process arrangement with a decode-alone baseline"}
+        return {"rule": rule, "arrangement": None,
+                "why": "no two-process arrangement measured (MPS verified where used) beside a decode-alone baseline"}
     best = max(qualified, key=lambda r: r["prefill_tflops"]) if qualified else min(
         candidates, key=lambda r: r["decode_p99_ms"])
     choice = {"rule": rule, "arrangement": best["name"], "qualified": [r["name"] for r in qualified],
@@ -526,7 +530,7 @@ def progress(row: dict) -> str:
     if "prefill_tflops" in row:
         parts.append(f"prefill {row['prefill_tflops']:.0f} TFLOP/s")
     if not row["mps_check"]["verified"]:
-        parts.append(f"MPS {'NOT in use' if row['mps'] else 'unexpectedly in use'}: {row['mps_check']}")
+        parts.append(f"MPS {'NOT confirmed' if row['mps'] else 'unexpectedly in use'}: {row['mps_check']}")
     return " ".join(parts) + f" ({row['wall_s']:.0f} s)"
 
 
@@ -555,6 +559,8 @@ def orchestrate(args) -> int:
                     daemon.start()
                 rows.append(run_arrangement(arrangement, args, daemon, Path(work)))
                 print(f"[{len(rows)}/{len(arrangements)}] {progress(rows[-1])}", file=sys.stderr)
+                if len(rows) == len(BASELINES) and all("error" in r for r in rows):
+                    raise RuntimeError("both baselines failed: the other arrangements would fail the same way")
         except (KeyboardInterrupt, SystemExit, RuntimeError) as error:
             aborted = f"{type(error).__name__}: {error}"
             print(f"bench_mps_split: ABORTED: {aborted}", file=sys.stderr)
@@ -563,8 +569,7 @@ def orchestrate(args) -> int:
     add_ratios(rows)
     ready = next((c for r in rows for c in r.get("children", {}).values()), {})
     report = {
-        "benchmark": "mps_split", "device": ready.get("device"), "torch": ready.get("torch"),
-        "gpu": gpu,
+        "benchmark": "mps_split", "device": ready.get("device"), "torch": ready.get("torch"), "gpu": gpu,
         "model": args.model, "decode": {"batch": args.decode_batch, "context": args.decode_context},
         "prefill": {"prompt_tokens": args.prompt_tokens, "chunk_tokens": args.chunk_tokens},
         "window_s": args.window_s, "mps_control": control, "mps_daemon": daemon_record,
@@ -575,9 +580,9 @@ def orchestrate(args) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    problems = [progress(r) for r in rows if "error" in r or not r["mps_check"]["verified"]]
+    problems = [progress(r).splitlines()[0] for r in rows if "error" in r or not r["mps_check"]["verified"]]
     problems += [f"MPS daemon not fully stopped: {daemon_record}"] if daemon_record.get("still_running") else []
-    problems += [f"aborted: {aborted}"] if aborted else []
+    problems += [f"aborted: {aborted.splitlines()[0]}"] if aborted else []
     if torch.cuda.is_initialized():
         problems.append("this process initialized CUDA: it must leave the GPU to its children")
     for problem in problems:
@@ -607,6 +612,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("window_s", "max_p99_ratio", "decode_batch", "decode_context", "prompt_tokens", "ready_timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: its folder does not exist")
     if args.chunk_tokens < 0:
         parser.error("--chunk-tokens must not be negative (0: the whole prompt at once)")
     try:
