@@ -14,6 +14,12 @@ the SMs and prefill to P% (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, unset for 100). Th
 without MPS run first, with no daemon; this process then starts its own daemon in fresh pipe and
 log folders, checks that both children are its clients, and quits it at the end, also on error.
 
+`recommended` is the two-process arrangement with the highest prefill rate among those whose decode
+p99 is within --max-p99-ratio (1.5) of decode-alone's, else the one with the lowest decode p99; its
+`env` is what deploy/mps/run-on-one-gpu.sh takes. Arrangements that would end past --time-limit-s
+are skipped, so an outer timeout never cuts the run (and its cleanup) short; the exit code is 1
+when anything failed, was skipped, or MPS could not be confirmed.
+
 The children speak JSON lines on stdout (ready, result, or error) and wait on stdin for "go", so
 both windows start together. This process never touches CUDA: an MPS client's SM share is fixed
 when its CUDA context is created, so every share needs its own processes.
@@ -258,15 +264,18 @@ class Child:
         self.events.put((self.role, None))
 
     def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            raise ArrangementFailed(self.failure(f"could not be sent {line!r}")) from None
 
     def failure(self, what: str) -> str:
         try:
             code = self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             code = "still running"
-        return f"{self.role} child {what} (exit code {code}); last lines of its stderr:\n{tail(self.log)}"
+        return f"{self.role} child {what} (exit code {code})\n--- the end of its stderr:\n{tail(self.log)}"
 
     def stop(self, grace_s: float) -> None:
         """A child exits by itself after its result (or at EOF while it waits for "go"); one that
@@ -303,7 +312,7 @@ def collect(children: dict[str, Child], events: queue.Queue, event: str, timeout
         if message.get("event") != event:
             raise ArrangementFailed(children[role].failure(f"sent {message} while {event!r} was awaited"))
         got[role] = message
-    return got
+    return {role: got[role] for role in children}
 
 
 def run_quiet(command: list[str], stdin: str | None = None, env: dict | None = None,
@@ -529,6 +538,7 @@ def progress(row: dict) -> str:
         parts.append(f"decode p50 {row['decode_p50_ms']:.2f} ms, p99 {row['decode_p99_ms']:.2f} ms")
     if "prefill_tflops" in row:
         parts.append(f"prefill {row['prefill_tflops']:.0f} TFLOP/s")
+    parts.append("SMs seen " + "/".join(f"{role} {c['sm_count']}" for role, c in row["children"].items()))
     if not row["mps_check"]["verified"]:
         parts.append(f"MPS {'NOT confirmed' if row['mps'] else 'unexpectedly in use'}: {row['mps_check']}")
     return " ".join(parts) + f" ({row['wall_s']:.0f} s)"
@@ -548,13 +558,19 @@ def orchestrate(args) -> int:
                  "stop them first")
     gpu = (smi("--query-gpu=name,driver_version,memory.total,compute_mode", "--format=csv,noheader") or "").strip()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: children, daemon
-    rows, aborted = [], None
+    rows, skipped, aborted = [], [], None
     print(f"bench_mps_split: {len(arrangements)} arrangements, about {len(arrangements) * (args.window_s + 30):.0f} s",
           file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="pdserve-mps-") as work:
         daemon = MpsDaemon(control, Path(work) / "mps")
         try:
             for arrangement in arrangements:
+                # An arrangement takes about as long as the longest so far: skip it rather than be
+                # killed mid-way by an outer timeout, which would leave no report (and the daemon).
+                expected = max((r["wall_s"] for r in rows), default=args.window_s + 30)
+                if time.monotonic() - started + expected > args.time_limit_s:
+                    skipped.append(arrangement.name)
+                    continue
                 if arrangement.mps and not daemon.started:
                     daemon.start()
                 rows.append(run_arrangement(arrangement, args, daemon, Path(work)))
@@ -574,7 +590,7 @@ def orchestrate(args) -> int:
         "prefill": {"prompt_tokens": args.prompt_tokens, "chunk_tokens": args.chunk_tokens},
         "window_s": args.window_s, "mps_control": control, "mps_daemon": daemon_record,
         "arrangements": rows, "recommended": recommend(rows, args.max_p99_ratio),
-        "aborted": aborted, "wall_s": time.monotonic() - started,
+        "skipped_for_time": skipped, "aborted": aborted, "wall_s": time.monotonic() - started,
     }
     text = json.dumps(report, indent=2)
     print(text)
@@ -583,6 +599,7 @@ def orchestrate(args) -> int:
     problems = [progress(r).splitlines()[0] for r in rows if "error" in r or not r["mps_check"]["verified"]]
     problems += [f"MPS daemon not fully stopped: {daemon_record}"] if daemon_record.get("still_running") else []
     problems += [f"aborted: {aborted.splitlines()[0]}"] if aborted else []
+    problems += [f"skipped to end within --time-limit-s {args.time_limit_s:.0f}: {skipped}"] if skipped else []
     if torch.cuda.is_initialized():
         problems.append("this process initialized CUDA: it must leave the GPU to its children")
     for problem in problems:
@@ -603,13 +620,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--chunk-tokens", type=int, default=8192)
     parser.add_argument("--ready-timeout-s", type=float, default=180.0, help="model build and warm-up, per child")
+    parser.add_argument("--time-limit-s", type=float, default=480.0,
+                        help="start no arrangement expected to end past this many seconds from the start")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--role", choices=("decode", "prefill"), help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role and args.parent_pid is None:
         parser.error("--role is for the children this benchmark starts itself: run it without --role")
-    for name in ("window_s", "max_p99_ratio", "decode_batch", "decode_context", "prompt_tokens", "ready_timeout_s"):
+    for name in ("window_s", "max_p99_ratio", "decode_batch", "decode_context", "prompt_tokens", "ready_timeout_s",
+                 "time_limit_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.out and not Path(args.out).resolve().parent.is_dir():
