@@ -5,9 +5,10 @@
 In one run:
 - throughput: 64 concurrent requests (1,024-token prompts, 128 output tokens, EOS ignored)
   through gRPC, output tokens per second of wall time;
-- handoff: per prompt length, the client's gap between the first token (sampled by the
-  prefill) and the second (the decode's first step), and the decode's page copy (kv_pull_s,
-  from the router's log);
+- handoff: per prompt length, from the router's log, the time from the prefill's KV being
+  complete to the start of the decode's first step for that request (handoff_s: router hop,
+  page copy, decode queue) and the page copy alone (kv_pull_s); and on the client, the gap
+  between the first token (sampled by the prefill) and the second (the decode's first step);
 - memory: each process's GPU memory (nvidia-smi) with the decode mapping the prefill's weights
   and with a copy of its own;
 - the baseline: transformers' continuous batching (`generate_batch`, paged sdpa attention) on
@@ -41,11 +42,11 @@ def gpu_memory_mib(pids: dict[str, int]) -> dict[str, int]:
     return {name: used.get(pid, 0) for name, pid in pids.items()}
 
 
-async def one_request(stub, prompt: list[int], max_tokens: int) -> list[float]:
+async def one_request(stub, prompt: list[int], max_tokens: int, request_id: str = "") -> list[float]:
     """Arrival time of every token, relative to the call."""
     started = time.perf_counter()
-    request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
-                                             temperature=0)
+    request = generation_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
+                                             ignore_eos=True, temperature=0)
     times = []
     async for chunk in stub.Generate(request, timeout=600):
         times.extend([time.perf_counter() - started] * len(chunk.token_ids))
@@ -67,32 +68,42 @@ async def throughput(address: str, vocab: int, requests: int, prompt_len: int, m
             "output_tokens_per_s": tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
 
 
-async def handoffs(address: str, vocab: int, lengths: list[int]) -> list[dict]:
+async def handoffs(address: str, vocab: int, lengths: list[int], repeats: int = 5) -> dict[int, list[dict]]:
+    """Per prompt length, each request's id, time to first token and first-to-second token gap."""
     rng = random.Random(1)
-    out = []
+    out: dict[int, list[dict]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         for length in lengths:
-            gaps, ttfts = [], []
-            for _ in range(5):
-                times = await one_request(stub, [rng.randrange(vocab) for _ in range(length)], 3)
-                ttfts.append(times[0])
-                gaps.append(times[1] - times[0])
-            gaps.sort()
-            ttfts.sort()
-            out.append({"prompt_tokens": length, "first_to_second_token_ms_p50": gaps[2] * 1e3,
-                        "ttft_ms_p50": ttfts[2] * 1e3})
+            for i in range(repeats):
+                request_id = f"handoff-{length}-{i}"
+                times = await one_request(stub, [rng.randrange(vocab) for _ in range(length)], 3, request_id)
+                out.setdefault(length, []).append({"request_id": request_id, "ttft_s": times[0],
+                                                   "first_to_second_s": times[1] - times[0]})
     return out
 
 
-def router_kv_pulls(log: Path) -> list[float]:
-    pulls = []
-    for line in log.read_text().splitlines():
-        if '"request finished"' in line:
-            record = json.loads(line)
-            if "kv_pull_s" in record:
-                pulls.append(record["kv_pull_s"])
-    return pulls
+def router_timings(log: Path) -> dict[str, dict]:
+    """The router's "request finished" line of every request, by request id."""
+    records = (json.loads(line) for line in log.read_text().splitlines() if '"request finished"' in line)
+    return {r["request_id"]: r for r in records}
+
+
+def handoff_report(runs: dict[int, list[dict]], timings: dict[str, dict]) -> list[dict]:
+    def p50_ms(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2] * 1e3
+
+    report = []
+    for length, samples in runs.items():
+        logged = [timings[s["request_id"]] for s in samples if s["request_id"] in timings]
+        report.append({
+            "prompt_tokens": length,
+            "handoff_ms_p50": p50_ms([r["handoff_s"] for r in logged if "handoff_s" in r]),
+            "kv_pull_ms_p50": p50_ms([r["kv_pull_s"] for r in logged if "kv_pull_s" in r]),
+            "first_to_second_token_ms_p50": p50_ms([s["first_to_second_s"] for s in samples]),
+            "ttft_ms_p50": p50_ms([s["ttft_s"] for s in samples]),
+        })
+    return report
 
 
 def run_stack(model: str, shared_weights: bool, measure: bool) -> dict:
@@ -109,12 +120,11 @@ def run_stack(model: str, shared_weights: bool, measure: bool) -> dict:
             from shared.model.loader import load_hf_config
 
             vocab = load_hf_config(model).vocab_size
-            result["handoff"] = asyncio.run(handoffs(stack.address, vocab, [1024, 4096, 8192, 16384, 32768]))
+            runs = asyncio.run(handoffs(stack.address, vocab, [1024, 4096, 8192, 16384, 32768]))
             result["throughput"] = asyncio.run(throughput(stack.address, vocab, 64, 1024, 128))
             result["gpu_memory_mib_after_load"] = gpu_memory_mib(pids)
-            time.sleep(1.0)
-            pulls = router_kv_pulls(stack.log_path("router"))
-            result["kv_pull_ms_by_request"] = [round(p * 1e3, 3) for p in pulls[1:26]]  # the handoff runs
+            time.sleep(1.0)  # the router logs a request's line when its stream closes
+            result["handoff"] = handoff_report(runs, router_timings(stack.log_path("router")))
     return result
 
 
@@ -146,11 +156,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gpu_stack")
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-separate", action="store_true", help="skip the memory run without shared weights")
     parser.add_argument("--out")
     args = parser.parse_args()
     report = {"model": args.model, "shared": run_stack(args.model, shared_weights=True, measure=True)}
     print(json.dumps(report["shared"]), file=sys.stderr)
-    report["separate"] = run_stack(args.model, shared_weights=False, measure=False)
+    if not args.skip_separate:
+        report["separate"] = run_stack(args.model, shared_weights=False, measure=False)
     if not args.skip_baseline:
         report["transformers_generate_batch"] = transformers_batch(args.model, 64, 1024, 128)
     text = json.dumps(report, indent=2)

@@ -148,6 +148,7 @@ class KvReady:
     finish_reason: FinishReason | None  # set when the first token already ends the request
     queued_s: float              # time the task waited in the prefill's queue
     compute_s: float             # prompt forward pass and sampling
+    ready_at: float              # wall clock (time.time) when the KV was complete: starts the handoff
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class TokenOut:
 class TokenBatch:
     """One decode step's new tokens, one entry per running request."""
     tokens: list[TokenOut] = field(default_factory=list)
+    # Wall clock (time.time) when the step began: for a request's first step, the end of its
+    # handoff (prefill done -> router -> KV pulled -> decode's first step).
+    step_started_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -165,3 +165,72 @@ def test_decode_maps_the_prefill_weights(tmp_path):
         stack.signal("prefill", signal.SIGKILL)
         assert stack.processes["decode"].wait(timeout=30) == 1
         assert "is gone" in stack.log_path("decode").read_text()
+
+
+_PEER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from shared import wire
+    from shared.kv_share import map_pool
+    mapped = map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool, "cuda:0")
+    checksum = lambda: mapped.pool.kv.view(torch.int16).double().sum().item()
+    print(checksum(), flush=True)
+    for line in sys.stdin:  # each line read: checksum again
+        print(checksum(), flush=True)
+""")
+
+
+def _peer(handle_file):
+    return subprocess.Popen([sys.executable, "-c", _PEER, str(handle_file)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _exported_pool(tmp_path):
+    from shared import wire
+    from shared.kv_share import export_pool
+
+    layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
+    exported = export_pool(layout, "lifetime", "cuda:0")
+    exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    return exported, exported.pool.kv.view(torch.int16).double().sum().item()
+
+
+def test_exported_pool_outlives_the_exporters_own_references_while_mapped(tmp_path):
+    exported, expected = _exported_pool(tmp_path)
+    peer = _peer(tmp_path / "handle")
+    try:
+        assert float(peer.stdout.readline()) == expected
+        exported.close()  # the exporter lets go; the peer still maps the memory
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        peer.stdin.write("again\n")
+        peer.stdin.flush()
+        assert float(peer.stdout.readline()) == expected
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_dead_peers_leak_no_device_memory(tmp_path):
+    import signal
+
+    exported, expected = _exported_pool(tmp_path)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    for _ in range(3):
+        peer = _peer(tmp_path / "handle")
+        assert float(peer.stdout.readline()) == expected
+        peer.send_signal(signal.SIGKILL)
+        peer.wait()
+    leaked = free_before - torch.cuda.mem_get_info()[0]
+    assert leaked < 64 << 20, f"{leaked >> 20} MiB of device memory did not come back after peers died"
+    survivor = _peer(tmp_path / "handle")  # the handle still maps after its earlier peers died
+    try:
+        assert float(survivor.stdout.readline()) == expected
+    finally:
+        survivor.kill()
+        survivor.wait()
+    exported.close()

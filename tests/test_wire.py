@@ -27,12 +27,12 @@ SAMPLES = [
     m.PoolAvailable("prefill-0", HANDLE),
     m.PoolGone("prefill-0"),
     m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP),
-    m.KvReady("req-1", "prefill-0", [0, 5, 7], 40, 17, None, queued_s=0.001, compute_s=0.25),
-    m.KvReady("req-2", "prefill-0", [3], 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1),
+    m.KvReady("req-1", "prefill-0", [0, 5, 7], 40, 17, None, queued_s=0.001, compute_s=0.25, ready_at=1795940000.5),
+    m.KvReady("req-2", "prefill-0", [3], 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1, ready_at=1795940001.0),
     m.DecodeTask("req-1", "prefill-0", [0, 5, 7], 40, 17, SAMPLING, STOP),
     m.KvPulled("req-1", "prefill-0", pull_s=0.003),
     m.ReleaseKv("req-1"),
-    m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)]),
+    m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)], 1795940002.25),
     m.TokenBatch([]),
     m.Abort("req-1"),
     m.Failed("req-1", m.ErrorCode.RESOURCE_EXHAUSTED, "no KV room after 30 s"),
@@ -104,8 +104,8 @@ BAD_FRAMES = {
     "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", [0], 1, 2, "eos", 0.0, 0.0),
     "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
     "None for required field": _frame(HEARTBEAT, None, 1, 0, 0),
-    "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5]),
-    "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]]),
+    "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5], 2.5),
+    "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]], 2.5),
     "str for bytes": _frame(int(m.MsgKind.POOL_AVAILABLE), "p",
                             ["shm", "name", [1, 1, 1, 1, 1, "float32", 256]]),
     "frame too large": b"\x00" * (wire.MAX_FRAME_BYTES + 1),
@@ -160,7 +160,7 @@ def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
     assert wire.decode(_frame(HEARTBEAT, "decode-0", 1, 0, 0)) == m.Heartbeat("decode-0", 1, 0, 0)
     assert wire.decode(_frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, STOP_RAW)) == m.PrefillTask(
         "r", [1], m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False))
-    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]])) == m.TokenBatch([m.TokenOut("r", 1, None)])
+    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5)) == m.TokenBatch([m.TokenOut("r", 1, None)], 2.5)
 
 
 def test_a_prompt_of_max_array_len_tokens_decodes():

@@ -13,6 +13,7 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 
 import structlog
@@ -153,6 +154,7 @@ class DecodeWorker:
                 self.allocator.free(request.pages)
 
     def _step(self) -> None:
+        started_at = time.time()
         inputs = step_inputs(self.running, self.pool.layout.page_size, self.model.device)
         logits = self.graphs.step(inputs) if self.graphs is not None else None
         if logits is None:
@@ -170,7 +172,7 @@ class DecodeWorker:
             else:
                 self.allocator.free(request.pages)
         self.running = still_running
-        self.link.send(TokenBatch(out))
+        self.link.send(TokenBatch(out, started_at))
 
     def _shutdown(self) -> None:
         for request in [*self.running, *self.waiting]:

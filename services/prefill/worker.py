@@ -116,7 +116,7 @@ class PrefillWorker:
         finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
         self.link.send(KvReady(task.request_id, self.worker_id, pages, len(prompt), token, finish_reason,
-                               started - arrived, compute_s))
+                               started - arrived, compute_s, time.time()))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
 
     def _shutdown(self) -> None:

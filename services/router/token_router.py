@@ -76,6 +76,7 @@ class InflightRequest:
     decode_pages: int = 0
     # Seconds per stage, for the summary line and the benchmarks' TTFT breakdown.
     timings: dict[str, float] = field(default_factory=dict)
+    kv_ready_at: float = 0.0  # the prefill's wall clock when the KV was complete
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -271,6 +272,7 @@ class TokenRouter:
             return
         request.timings.update(prefill_queue_s=message.queued_s, prefill_compute_s=message.compute_s,
                                ttft_s=time.perf_counter() - request.submitted_at)
+        request.kv_ready_at = message.ready_at
         request.events.put_nowait(TokenEvent(message.first_token_id, message.finish_reason))
         if message.finish_reason is not None:
             request.stage = Stage.DONE
@@ -302,6 +304,8 @@ class TokenRouter:
             request = self.requests.get(token.request_id)
             if request is None or request.stage != Stage.DECODE:
                 continue
+            if "handoff_s" not in request.timings:  # its first decode step
+                request.timings["handoff_s"] = message.step_started_at - request.kv_ready_at
             if token.finish_reason is not None:
                 request.stage = Stage.DONE
             request.events.put_nowait(TokenEvent(token.token_id, token.finish_reason))
