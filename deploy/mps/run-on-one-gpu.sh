@@ -4,7 +4,7 @@
 #
 #   deploy/mps/run-on-one-gpu.sh [flags for every service, e.g. --model-path /models/llama-3.1-8b]
 #
-# PDSERVE_PREFILL_SM_PERCENT (default 50) and PDSERVE_DECODE_SM_PERCENT (default 100) become each
+# PDSERVE_PREFILL_SM_PERCENT (default 30) and PDSERVE_DECODE_SM_PERCENT (default 100) become each
 # worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; `python -m loadtest.bench_mps_split` measures which
 # split to use (deploy/mps/README.md). The MPS control daemon is started unless one already answers
 # in CUDA_MPS_PIPE_DIRECTORY. Ctrl-C or SIGTERM stops the services, then the daemon if this script
@@ -24,7 +24,8 @@ sm_percent() {  # NAME VALUE: VALUE if it is a whole number from 1 to 100
   printf '%d' "$((10#$2))"
 }
 
-prefill_percent=$(sm_percent PDSERVE_PREFILL_SM_PERCENT "${PDSERVE_PREFILL_SM_PERCENT:-50}")
+# Defaults measured on the H200 with the 8B shape (docs/BENCHMARKS.md, "MPS split").
+prefill_percent=$(sm_percent PDSERVE_PREFILL_SM_PERCENT "${PDSERVE_PREFILL_SM_PERCENT:-30}")
 decode_percent=$(sm_percent PDSERVE_DECODE_SM_PERCENT "${PDSERVE_DECODE_SM_PERCENT:-100}")
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 if [[ -z ${PYTHON:-} ]]; then
