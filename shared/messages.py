@@ -52,6 +52,7 @@ class MsgKind(IntEnum):
     TOKEN_BATCH = 15
     ABORT = 16
     FAILED = 17
+    DEREGISTER = 18
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,12 @@ class Heartbeat:
     free_pages: int
     running: int
     waiting: int
+
+
+@dataclass(frozen=True)
+class Deregister:
+    """The worker is stopping: fail what it holds now, without waiting for missed heartbeats."""
+    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -217,4 +224,5 @@ MESSAGE_TYPES: dict[MsgKind, type] = {
     MsgKind.TOKEN_BATCH: TokenBatch,
     MsgKind.ABORT: Abort,
     MsgKind.FAILED: Failed,
+    MsgKind.DEREGISTER: Deregister,
 }

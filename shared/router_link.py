@@ -18,15 +18,18 @@ import structlog
 import zmq
 
 from shared import wire
-from shared.messages import Heartbeat, Register, Registered, Reregister
+from shared.config import WorkerConfig
+from shared.messages import Deregister, Heartbeat, Register, Registered, Reregister
+from shared.zmq_security import secure_client
 
 log = structlog.get_logger()
 
 
 class RouterLink:
     def __init__(self, endpoint: str, worker_id: str, registration: Callable[[], Register],
-                 heartbeat: Callable[[], Heartbeat], heartbeat_interval_s: float):
+                 heartbeat: Callable[[], Heartbeat], heartbeat_interval_s: float, curve_keys: WorkerConfig):
         self._endpoint = endpoint
+        self._curve_keys = curve_keys  # where this worker's CURVE key files are; used on tcp:// only
         self._worker_id = worker_id
         self._registration = registration
         self._heartbeat = heartbeat
@@ -71,6 +74,7 @@ class RouterLink:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self._worker_id.encode())
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        secure_client(dealer, self._endpoint, self._curve_keys)
         dealer.connect(self._endpoint)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
@@ -91,6 +95,7 @@ class RouterLink:
                     next_beat = time.monotonic() + self._interval
             while self._outbox_pull.poll(0):  # flush final messages (Failed, ...) before leaving
                 dealer.send(self._outbox_pull.recv())
+            dealer.send(wire.encode(Deregister(self._worker_id)))
         finally:
             dealer.close(linger=1000)
             self._outbox_pull.close(linger=0)

@@ -107,3 +107,37 @@ def test_overload_is_resource_exhausted_and_nothing_is_lost(checkpoint, tmp_path
         assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
         assert set(outcomes) <= {400, grpc.StatusCode.RESOURCE_EXHAUSTED}
         stack.assert_pools_drained()
+
+
+def test_deadline_ends_the_request_and_frees_its_pages(stack):
+    with pytest.raises(grpc.RpcError) as error:
+        _tokens(stack.stub, _long_request(), timeout=1.5)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stack.assert_pools_drained()
+    assert _tokens(stack.stub, _short_request()) == 3
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_sigterm_fails_in_flight_requests_explicitly_and_exits_zero(stack, victim):
+    """A worker told to stop fails what it holds at once (not after missed heartbeats), and exits 0."""
+    if victim == "prefill":
+        stack.signal("decode", signal.SIGSTOP)  # keep the request parked at the prefill's side
+    call = stack.stub.Generate(_long_request(), timeout=60)
+    try:
+        if victim == "decode":
+            next(call)
+        else:
+            time.sleep(2.0)  # the prefill has computed the prompt and holds its KV for the stopped decode
+        stopped_at = time.monotonic()
+        stack.signal(victim, signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in call:
+                pass
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - stopped_at < 1.0, "failed at once, not after the 1.5 s heartbeat timeout"
+    finally:
+        if victim == "prefill":
+            stack.signal("decode", signal.SIGCONT)
+    assert stack.processes[victim].wait(timeout=30) == 0
+    assert not [s for s in stack.shm_segments()
+                if s.endswith(f"-{stack.processes[victim].pid}")], "the stopped worker's pool is gone"

@@ -24,6 +24,7 @@ SAMPLES = [
     m.Registered(router_started_at=1_715_000_000.25),
     m.Heartbeat("decode-0", free_pages=2000, running=3, waiting=0),
     m.Reregister(),
+    m.Deregister("decode-0"),
     m.PoolAvailable("prefill-0", HANDLE),
     m.PoolGone("prefill-0"),
     m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP),
@@ -51,14 +52,17 @@ def test_round_trip(message):
 
 
 def test_round_trip_restores_enum_and_nested_types():
-    register = wire.decode(wire.encode(SAMPLES[0]))
+    def sample(kind, where=lambda s: True):
+        return next(s for s in SAMPLES if isinstance(s, kind) and where(s))
+
+    register = wire.decode(wire.encode(sample(m.Register, lambda s: s.pool is not None)))
     assert type(register.role) is m.Role
     assert type(register.pool) is m.KvPoolHandle and type(register.pool.layout) is m.KvLayout
     assert type(register.pool.locator) is bytes
-    batch = wire.decode(wire.encode(SAMPLES[13]))
+    batch = wire.decode(wire.encode(sample(m.TokenBatch, lambda s: len(s.tokens) == 2)))
     assert [type(t) for t in batch.tokens] == [m.TokenOut, m.TokenOut]
     assert type(batch.tokens[1].finish_reason) is m.FinishReason
-    failed = wire.decode(wire.encode(SAMPLES[-1]))
+    failed = wire.decode(wire.encode(sample(m.Failed)))
     assert type(failed.code) is m.ErrorCode
 
 

@@ -32,9 +32,27 @@ from services.router.workers import Worker, WorkerRegistry
 from shared import wire
 from shared.config import Config
 from shared.kv_pool import decode_pages_needed, pages_for
-from shared.messages import (Abort, DecodeTask, ErrorCode, Failed, FinishReason, Heartbeat, KvPulled, KvReady,
-                             PoolAvailable, PoolGone, PrefillTask, Register, Registered, ReleaseKv, Reregister,
-                             Role, TokenBatch)
+from shared.messages import (
+    Abort,
+    DecodeTask,
+    Deregister,
+    ErrorCode,
+    Failed,
+    FinishReason,
+    Heartbeat,
+    KvPulled,
+    KvReady,
+    PoolAvailable,
+    PoolGone,
+    PrefillTask,
+    Register,
+    Registered,
+    ReleaseKv,
+    Reregister,
+    Role,
+    TokenBatch,
+)
+from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
 
@@ -94,13 +112,16 @@ class TokenRouter:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
         self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        self._authenticator = None  # CURVE's ZAP handler, on tcp:// only
         self._tasks: list[asyncio.Task] = []
         self.handlers = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
             KvPulled: self._on_kv_pulled, TokenBatch: self._on_token_batch, Failed: self._on_failed,
+            Deregister: self._on_deregister,
         }
 
     async def start(self) -> None:
+        self._authenticator = secure_server(self._socket, self.config.router)
         self._socket.bind(self.config.router.zmq_endpoint())
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._liveness_loop())]
 
@@ -111,6 +132,8 @@ class TokenRouter:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._socket.close(linger=500)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     def serving(self) -> bool:
@@ -256,6 +279,11 @@ class TokenRouter:
                  pages=worker.total_pages)
         self._on_workers_changed(self.serving())
         self._admit_waiting()
+
+    def _on_deregister(self, identity: bytes, message: Deregister) -> None:
+        worker = self._known(identity, message.worker_id)
+        if worker is not None:
+            self._drop_worker(worker, f"worker {worker.worker_id} stopped")
 
     def _on_heartbeat(self, identity: bytes, message: Heartbeat) -> None:
         if self._known(identity, message.worker_id) is None:
