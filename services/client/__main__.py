@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -19,7 +20,7 @@ def _generate(stub, args) -> int:
     if args.seed is not None:
         request.seed = args.seed
     try:
-        for chunk in stub.Generate(request, timeout=args.timeout):
+        for chunk in stub.Generate(request, timeout=args.timeout, metadata=args.metadata):
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
                 print(f"\n[{chunk.finish_reason}: {chunk.usage.prompt_tokens} prompt tokens, "
@@ -31,7 +32,8 @@ def _generate(stub, args) -> int:
 
 
 def _workers(stub, args) -> int:
-    for w in stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=args.timeout).workers:
+    workers = stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=args.timeout, metadata=args.metadata)
+    for w in workers.workers:
         print(f"{w.worker_id:12} {w.role:8} pages free {w.free_pages}/{w.total_pages} reserved {w.reserved_pages} "
               f"running {w.running_requests} waiting {w.waiting_requests}")
     return 0
@@ -41,6 +43,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="pdserve")
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--tls-ca", metavar="FILE", help="connect over TLS, trusting this PEM CA certificate")
+    parser.add_argument("--token-file", metavar="FILE", help="send the bearer token this file holds")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="stream an answer to a chat message")
     generate.add_argument("text")
@@ -52,7 +56,15 @@ def main() -> int:
     generate.add_argument("--ignore-eos", action="store_true")
     commands.add_parser("workers", help="list the registered workers and their KV pools")
     args = parser.parse_args()
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        token = Path(args.token_file).read_text().strip() if args.token_file else ""
+    except OSError as exc:
+        parser.error(str(exc))
+    args.metadata = [("authorization", f"Bearer {token}")] if token else []
+    channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(ca)) if ca else \
+        grpc.insecure_channel(args.address)
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return (_generate if args.command == "generate" else _workers)(stub, args)
 

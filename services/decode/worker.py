@@ -21,6 +21,7 @@ import structlog
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.handoff import HandoffError, KvPuller
+from shared import metrics
 from shared.config import Config
 from shared.device import on_stream, worker_stream
 from shared.kv_pool import (
@@ -77,9 +78,11 @@ class DecodeWorker:
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker.heartbeat_interval_s)
+                               self._heartbeat, config.worker.heartbeat_interval_s, config.worker)
         self.handlers = {DecodeTask: self._on_task, Abort: self._on_abort,
                          PoolAvailable: self._on_pool_available, PoolGone: self._on_pool_gone}
+        metrics.watch_worker(Role.DECODE, self.allocator.num_pages, self._heartbeat)
+        metrics.serve(config.decode.metrics_address, metrics.WORKER)
 
     def _capture_graphs(self, config: Config) -> GraphedDecode | None:
         sizes = config.decode.graph_batch_sizes()

@@ -16,6 +16,7 @@ from collections import deque
 
 import structlog
 
+from shared import metrics
 from shared.device import on_stream, worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
 from shared.kv_share import export_pool
@@ -44,13 +45,15 @@ class PrefillWorker:
         self.waiting: deque[tuple[PrefillTask, float]] = deque()
         self.held: dict[str, list[int]] = {}
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker.heartbeat_interval_s)
+                               self._heartbeat, config.worker.heartbeat_interval_s, config.worker)
         self.weights_path = None
         if model.device.type == "cuda":  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             self.weights_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             publish_weights(model, self.weights_path)
         self.handlers = {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort}
+        metrics.watch_worker(Role.PREFILL, self.allocator.num_pages, self._heartbeat)
+        metrics.serve(config.prefill.metrics_address, metrics.WORKER)
 
     def _registration(self) -> Register:
         return Register(self.worker_id, Role.PREFILL, os.getpid(), self.allocator.num_pages,

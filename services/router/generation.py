@@ -14,6 +14,7 @@ from services.router.detokenizer import IncrementalText
 from services.router.token_router import ErrorEvent, InflightRequest, RequestError, TokenRouter
 from services.router.validation import InvalidRequest, ModelLimits, build_job, check_request_shape, tokenize
 from shared.messages import FinishReason
+from shared.metrics import RequestTimer
 
 log = structlog.get_logger()
 
@@ -25,6 +26,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.limits = limits
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        timer = RequestTimer()
         request_id = request.request_id or uuid.uuid4().hex
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
@@ -34,36 +36,46 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 job = build_job(request, prompt_ids, self.limits)
             except InvalidRequest as exc:
                 log.info("invalid request", error=str(exc))
+                timer.failed("INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # the chat template or tokenizer refused the input
                 log.info("input not tokenizable", error=str(exc))
+                timer.failed("INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize the input: {exc}")
             inflight = InflightRequest(request_id, job)
             try:
                 await self.router.submit(inflight)
-                async for response in self._stream(inflight, context):
+                async for response in self._stream(inflight, context, timer):
                     yield response
             except RequestError as exc:
+                timer.failed(exc.code.value)
                 await context.abort(grpc.StatusCode[exc.code.value], str(exc))
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
+                timer.cancelled(context)
+                raise
             finally:
+                timer.failed("UNKNOWN")  # counts only if nothing above did: an unexpected error, gRPC's UNKNOWN
                 self.router.finish(inflight)
 
-    async def _stream(self, inflight: InflightRequest, context):
+    async def _stream(self, inflight: InflightRequest, context, timer: RequestTimer):
         text = IncrementalText(self.tokenizer, inflight.job.stop_strings)
         generated = 0
         while True:
             event = await inflight.events.get()
             if isinstance(event, ErrorEvent):
                 log.warning("request failed", code=event.code.value, error=event.message)
+                timer.failed(event.code.value)
                 await context.abort(grpc.StatusCode[event.code.value], event.message)
             generated += 1
             piece, stopped = text.push(event.token_id)
             finish = FinishReason.STOP if stopped else event.finish_reason
+            timer.chunk()
             if finish is None:
                 yield generation_pb2.GenerateResponse(request_id=inflight.request_id, token_ids=[event.token_id],
                                                       text=piece)
                 continue
             usage = generation_pb2.Usage(prompt_tokens=len(inflight.job.prompt_token_ids), completion_tokens=generated)
+            timer.succeeded(finish, generated)
             yield generation_pb2.GenerateResponse(
                 request_id=inflight.request_id, token_ids=[event.token_id],
                 text=piece if stopped else piece + text.flush(), finish_reason=finish.value, usage=usage)

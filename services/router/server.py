@@ -18,9 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from services.router.auth import interceptors, tls_credentials
 from services.router.generation import GenerationService
 from services.router.token_router import TokenRouter
 from services.router.validation import ModelLimits
+from shared import metrics
 from shared.config import Config
 from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
 
@@ -47,16 +49,21 @@ async def serve(config: Config) -> None:
 
     router = TokenRouter(config, on_workers_changed)
     on_workers_changed(False)
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
     ])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router, tokenizer, limits), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(config.router.grpc_address)
+    credentials = tls_credentials(config.router)
+    if credentials is None:
+        server.add_insecure_port(config.router.grpc_address)
+    else:
+        server.add_secure_port(config.router.grpc_address, credentials)
     await router.start()
     await server.start()
+    metrics.serve(config.router.metrics_address, metrics.ROUTER)
     log.info("router serving", grpc=config.router.grpc_address, zmq=config.router.zmq_endpoint())
 
     stopping = asyncio.Event()

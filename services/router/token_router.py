@@ -29,29 +29,12 @@ import zmq.asyncio
 
 from services.router.validation import Job
 from services.router.workers import Worker, WorkerRegistry
-from shared import wire
+from shared import metrics, wire
 from shared.config import Config
 from shared.kv_pool import decode_pages_needed, pages_for
-from shared.messages import (
-    Abort,
-    DecodeTask,
-    Deregister,
-    ErrorCode,
-    Failed,
-    FinishReason,
-    Heartbeat,
-    KvPulled,
-    KvReady,
-    PoolAvailable,
-    PoolGone,
-    PrefillTask,
-    Register,
-    Registered,
-    ReleaseKv,
-    Reregister,
-    Role,
-    TokenBatch,
-)
+from shared.messages import (Abort, DecodeTask, Deregister, ErrorCode, Failed, FinishReason, Heartbeat, KvPulled,
+                             KvReady, PoolAvailable, PoolGone, PrefillTask, Register, Registered, ReleaseKv,
+                             Reregister, Role, TokenBatch)
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
@@ -106,6 +89,7 @@ class TokenRouter:
         self.requests: dict[str, InflightRequest] = {}
         self.handoffs: dict[str, tuple[str, str]] = {}  # request id -> (prefill id, decode id)
         self.admission: deque[tuple[InflightRequest, asyncio.Future]] = deque()
+        metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission))
         self.started_at = time.time()
         self._on_workers_changed = on_workers_changed
         self._context = zmq.asyncio.Context()
@@ -268,6 +252,8 @@ class TokenRouter:
         worker, replaced = self.registry.register(identity, message)
         if replaced is not None:
             self._drop_worker(replaced, f"worker {replaced.worker_id} restarted", remove=False)
+        metrics.watch_pages(worker.worker_id, worker.role, worker.total_pages, lambda: worker.free_pages,
+                            lambda: worker.reserved_pages)
         self._send(worker, Registered(self.started_at))
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
@@ -300,6 +286,7 @@ class TokenRouter:
             return
         request.timings.update(prefill_queue_s=message.queued_s, prefill_compute_s=message.compute_s,
                                ttft_s=time.perf_counter() - request.submitted_at)
+        metrics.observe(metrics.REQUEST_QUEUE_TIME, request.timings.get("admission_s", 0.0) + message.queued_s)
         request.kv_ready_at = message.ready_at
         request.events.put_nowait(TokenEvent(message.first_token_id, message.finish_reason))
         if message.finish_reason is not None:
@@ -317,6 +304,7 @@ class TokenRouter:
         request = self.requests.get(message.request_id)
         if request is not None and request.prefill is not None:
             request.timings["kv_pull_s"] = message.pull_s
+            metrics.observe(metrics.KV_PULL, message.pull_s)
             request.prefill.reserved_pages -= request.prefill_pages
             request.prefill.requests.discard(request.request_id)
             request.prefill_pages = 0
@@ -334,6 +322,7 @@ class TokenRouter:
                 continue
             if "handoff_s" not in request.timings:  # its first decode step
                 request.timings["handoff_s"] = message.step_started_at - request.kv_ready_at
+                metrics.observe(metrics.KV_HANDOFF, request.timings["handoff_s"])
             if token.finish_reason is not None:
                 request.stage = Stage.DONE
             request.events.put_nowait(TokenEvent(token.token_id, token.finish_reason))
@@ -351,6 +340,7 @@ class TokenRouter:
         log.warning("dropping worker", worker=worker.worker_id, reason=reason, requests=len(worker.requests))
         if remove:
             self.registry.remove(worker.worker_id)
+        metrics.forget_pages(worker.worker_id, worker.role)  # a replacement registers its own right after
         for request_id in list(worker.requests):
             request = self.requests.get(request_id)
             if request is not None:

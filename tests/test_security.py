@@ -1,0 +1,290 @@
+"""Security: CURVE on a tcp:// ZeroMQ socket, TLS and a bearer token on gRPC, no pickle or eval.
+
+The promises are checked against the real processes and sockets (tests.stack.ServiceStack): two
+stacks (CURVE, TLS + token) and two processes that must refuse to start. Config checks and the
+source scan run in-process.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import zmq
+import zmq.auth
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pdserve.v1 import generation_pb2
+
+from shared import wire
+from shared.config import ConfigError, load_config
+from shared.messages import Heartbeat, Register, Reregister, Role
+from tests.stack import REPO, ServiceStack, free_port
+
+CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+TOKEN = "s3cret-token-for-tests"
+
+
+def _generate(stub, metadata=()) -> int:
+    request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=3, ignore_eos=True, temperature=0)
+    return sum(len(chunk.token_ids) for chunk in stub.Generate(request, timeout=60, metadata=metadata))
+
+
+# ---- CURVE on tcp:// ----
+
+def _curve_keys(folder: Path) -> dict[str, Path]:
+    """router, worker (prefill and decode share it here) and probe are admitted; intruder is not."""
+    certs, admitted = folder / "certs", folder / "admitted"
+    certs.mkdir(parents=True)
+    admitted.mkdir()
+    for name in ("router", "worker", "probe", "intruder"):
+        zmq.auth.create_certificates(certs, name)
+    for name in ("worker", "probe"):
+        shutil.copy(certs / f"{name}.key", admitted)
+    return {"certs": certs, "admitted": admitted}
+
+
+def _curve_settings(endpoint: str, keys: dict[str, Path]) -> dict[str, str]:
+    certs = keys["certs"]
+    return {"PDSERVE_ROUTER_ZMQ_ADDRESS": endpoint,
+            "PDSERVE_ROUTER_ZMQ_SECRET_KEY_FILE": str(certs / "router.key_secret"),
+            "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(keys["admitted"]),
+            "PDSERVE_WORKER_ZMQ_SECRET_KEY_FILE": str(certs / "worker.key_secret"),
+            "PDSERVE_WORKER_ZMQ_ROUTER_PUBLIC_KEY_FILE": str(certs / "router.key")}
+
+
+def _peer_replies(endpoint: str, frames: list[object], key_pair: Path | None, router_key: Path,
+                  wait_s: float = 2.0) -> list[object]:
+    """What the router answers a raw DEALER that sends frames, as a CURVE client with key_pair or plain."""
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, b"peer-0")
+        if key_pair is not None:
+            socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(key_pair)
+            socket.curve_serverkey = zmq.auth.load_certificate(router_key)[0]
+        socket.connect(endpoint)
+        for message in frames:
+            socket.send(wire.encode(message))
+        replies = []
+        while socket.poll(int(wait_s * 1000)):
+            replies.append(wire.decode(socket.recv()))
+        socket.close(linger=0)
+        return replies
+    finally:
+        context.term()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_curve_admits_only_authorized_workers(tmp_path, checkpoint):
+    keys = _curve_keys(tmp_path / "keys")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    (tmp_path / "stack").mkdir()
+    router_key = keys["certs"] / "router.key"
+    # Valid frames: without CURVE the router would register this peer as a decode and answer.
+    register = Register("intruder-0", Role.DECODE, os.getpid(), 64, 16, None)
+    heartbeat = Heartbeat("intruder-0", 64, 0, 0)
+    with ServiceStack(tmp_path / "stack", CACHE_DIR, **_curve_settings(endpoint, keys)) as stack:
+        assert _generate(stack.stub) == 3  # the workers registered over CURVE with admitted keys
+
+        # Control: an admitted key's heartbeat reaches the router, which asks the unknown peer to register.
+        assert _peer_replies(endpoint, [heartbeat], keys["certs"] / "probe.key_secret", router_key) == [Reregister()]
+        # No keys, or a key pair not in the admitted folder: the handshake fails, nothing arrives.
+        assert _peer_replies(endpoint, [register, heartbeat], None, router_key) == []
+        assert _peer_replies(endpoint, [register, heartbeat], keys["certs"] / "intruder.key_secret", router_key) == []
+
+        assert sorted(w.worker_id for w in stack.workers()) == ["decode-0", "prefill-0"]
+        assert _generate(stack.stub) == 3
+        stack.assert_pools_drained()
+        log = stack.log_path("router").read_text()
+        assert "intruder-0" not in log and log.count('"worker registered"') == 2
+        codes = stack.stop()
+    assert codes == {name: 0 for name in codes}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_router_and_worker_refuse_tcp_without_keys(tmp_path):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    stack = ServiceStack(tmp_path, CACHE_DIR, services=(), PDSERVE_ROUTER_ZMQ_ADDRESS=endpoint)
+    try:
+        for name in ("router", "prefill"):
+            stack.start(name)
+        for name, process in stack.processes.items():
+            assert process.wait(timeout=120) == 2, stack.tail(name)
+            assert f"router.zmq_address {endpoint} is open to the network" in stack.tail(name)
+        assert "set router.zmq_secret_key_file and router.zmq_authorized_keys_dir" in stack.tail("router")
+        assert "set worker.zmq_secret_key_file and worker.zmq_router_public_key_file" in stack.tail("prefill")
+    finally:
+        stack.stop()
+
+
+def _config(**environ: str):
+    return load_config(None, environ={"PDSERVE_ROUTER_RUNTIME_DIR": "/nonexistent", **environ})
+
+
+def test_config_checks_keys_per_service(tmp_path):
+    keys = _curve_keys(tmp_path)
+    for service in ("router", "prefill", "decode"):
+        _config().validate_service(service)  # ipc:// needs no keys
+        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service(service)
+    router_only = {k: v for k, v in _curve_settings("tcp://127.0.0.1:5555", keys).items() if "_WORKER_" not in k}
+    _config(**router_only).validate_service("router")  # the router needs no worker's key, and back
+    with pytest.raises(ConfigError, match="set worker.zmq_secret_key_file and worker.zmq_router_public_key_file"):
+        _config(**router_only).validate_service("decode")
+    public_only = {**router_only, "PDSERVE_ROUTER_ZMQ_SECRET_KEY_FILE": str(keys["certs"] / "router.key")}
+    with pytest.raises(ConfigError, match="holds only a public key"):
+        _config(**public_only).validate_service("router")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no public-key certificate"):
+        _config(**{**router_only, "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(tmp_path / "empty")}
+                ).validate_service("router")
+
+
+def test_config_checks_tls_and_token(tmp_path):
+    with pytest.raises(ConfigError, match="set both or neither"):
+        _config(PDSERVE_ROUTER_TLS_CERT_FILE="cert.pem")
+    with pytest.raises(ConfigError, match="set one"):
+        _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE="token", PDSERVE_ROUTER_AUTH_TOKEN="x")
+    with pytest.raises(ConfigError, match="router.tls_cert_file: cannot read"):
+        _config(PDSERVE_ROUTER_TLS_CERT_FILE=str(tmp_path / "no.pem"),
+                PDSERVE_ROUTER_TLS_KEY_FILE=str(tmp_path / "no.key")).validate_service("router")
+    (tmp_path / "token").write_text("\n")
+    with pytest.raises(ConfigError, match="the token is empty"):
+        _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).validate_service("router")
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_token() == TOKEN
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_token() == TOKEN
+
+
+# ---- TLS and the bearer token on gRPC ----
+
+def _self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory, checkpoint):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed: no way to make a test certificate")
+    workdir = tmp_path_factory.mktemp("tls")
+    cert, key = _self_signed_certificate(workdir)
+    (workdir / "token").write_text(f"{TOKEN}\n")
+    stack = ServiceStack(workdir, CACHE_DIR, PDSERVE_ROUTER_TLS_CERT_FILE=str(cert), PDSERVE_ROUTER_TLS_KEY_FILE=str(key),
+                         PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(workdir / "token"))
+    try:  # ServiceStack's own __enter__ would open a plaintext channel
+        for name in stack.services:
+            stack.start(name)
+        stack.channel = grpc.secure_channel(stack.address, grpc.ssl_channel_credentials(cert.read_bytes()))
+        stack.wait_serving()  # health checks over TLS, without the token
+        yield stack
+    finally:
+        codes = stack.stop()
+    assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"
+
+
+BEARER = [("authorization", f"Bearer {TOKEN}")]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_tls_with_token_serves(tls_stack):
+    assert _generate(tls_stack.stub, BEARER) == 3
+    workers = tls_stack.stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=5, metadata=BEARER).workers
+    assert sorted(w.role for w in workers) == ["decode", "prefill"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("metadata", [[], [("authorization", "Bearer wrong-token")], [("authorization", TOKEN)],
+                                      [("authorization", f"Bearer {TOKEN}x")]],
+                         ids=["none", "wrong", "no-scheme", "longer"])
+def test_calls_without_the_right_token_are_unauthenticated(tls_stack, metadata):
+    stub = tls_stack.stub
+    calls = {
+        "Generate": lambda: _generate(stub, metadata),
+        "ListWorkers": lambda: stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=5, metadata=metadata),
+        "reflection": lambda: list(reflection_pb2_grpc.ServerReflectionStub(tls_stack.channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5, metadata=metadata)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    assert _generate(stub, BEARER) == 3  # refused calls left nothing behind
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_health_needs_no_token(tls_stack):
+    health = health_pb2_grpc.HealthStub(tls_stack.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_plaintext_channel_to_the_tls_port_fails(tls_stack):
+    with grpc.insecure_channel(tls_stack.address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+    assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_client_flags_tls_ca_and_token_file(tls_stack):
+    def client(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.client", "--address", tls_stack.address, *flags,
+                               "generate", "Hi", "--max-tokens", "3", "--ignore-eos"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    ca = ("--tls-ca", str(tls_stack.workdir / "cert.pem"))
+    served = client(*ca, "--token-file", str(tls_stack.workdir / "token"))
+    assert served.returncode == 0 and "3 generated" in served.stderr, served.stderr
+    refused = client(*ca)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+# ---- no pickle, eval or exec ----
+
+PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill"}
+
+
+def _offences(source: str, name: str) -> list[str]:
+    """Imports of a pickle module, calls to eval/exec, and pyzmq's pickling send/recv_pyobj."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=name)):
+        modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        found += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] in PICKLE_MODULES]
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id in ("eval", "exec")) or \
+                    (isinstance(func, ast.Attribute) and func.attr in ("send_pyobj", "recv_pyobj")):
+                found.append(f"{name}:{node.lineno} calls {ast.unparse(func)}")
+    return found
+
+
+def test_the_scan_finds_what_it_looks_for():
+    source = "import pickle\nfrom dill import loads\neval('1')\nexec('x=1')\nsock.recv_pyobj()\nmodel.eval()\n"
+    assert [o.split(" ", 1)[1] for o in _offences(source, "x.py")] == \
+        ["imports pickle", "imports dill", "calls eval", "calls exec", "calls sock.recv_pyobj"]
+
+
+def test_no_pickle_eval_or_exec_in_services_or_shared():
+    paths = sorted(p for folder in ("services", "shared") for p in (REPO / folder).rglob("*.py"))
+    assert len(paths) > 20
+    offences = [o for p in paths for o in _offences(p.read_text(), str(p.relative_to(REPO)))]
+    assert not offences, offences
