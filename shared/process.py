@@ -6,7 +6,9 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
+import sdnotify
 import torch
 
 from shared.config import parse_cores
@@ -42,3 +44,27 @@ def die_with_parent() -> None:
     """Run in a child before exec: the kernel sends it SIGTERM when its parent dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class SystemdNotify:
+    """systemd's notify protocol for Type=notify units: READY=1 once the service serves, a
+    WATCHDOG=1 ping from its main loop at half of WatchdogSec (so a hung loop gets the service
+    restarted), STOPPING=1 on the way out. Does nothing when not started by systemd."""
+
+    def __init__(self) -> None:
+        self._notifier = sdnotify.SystemdNotifier()
+        watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+        self._interval_s = watchdog_usec / 2e6
+        self._last_ping = 0.0
+
+    def ready(self) -> None:
+        self._notifier.notify("READY=1")
+
+    def watchdog(self) -> None:
+        now = time.monotonic()
+        if self._interval_s and now - self._last_ping >= self._interval_s:
+            self._notifier.notify("WATCHDOG=1")
+            self._last_ping = now
+
+    def stopping(self) -> None:
+        self._notifier.notify("STOPPING=1")

@@ -63,6 +63,15 @@ class RouterLink:
             except queue.Empty:
                 return messages
 
+    def dispatch(self, handlers: dict[type, Callable[[object], None]], timeout_s: float) -> None:
+        """Runs the handler of every message that has arrived, waiting up to timeout_s for the first."""
+        for message in self.receive(timeout_s):
+            handler = handlers.get(type(message))
+            if handler is None:
+                log.warning("unexpected message", kind=type(message).__name__)
+            else:
+                handler(message)
+
     def close(self, linger_s: float = 1.0) -> None:
         """Flushes what was sent (up to linger_s), then stops the thread and the sockets."""
         self._closing.set()

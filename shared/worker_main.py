@@ -16,7 +16,7 @@ from shared.log import configure_logging
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.weight_share import map_weights, weights_file
-from shared.process import pin_to_cores, stop_event_on_signals
+from shared.process import SystemdNotify, pin_to_cores, stop_event_on_signals
 from shared.sampling import FinishCheck
 
 log = structlog.get_logger()
@@ -30,6 +30,7 @@ class Worker:
     model: PagedLlama
     finish: FinishCheck
     stopping: threading.Event
+    notify: SystemdNotify
 
 
 def start_worker(service: str) -> Worker:
@@ -50,7 +51,7 @@ def start_worker(service: str) -> Worker:
         model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
     finish = FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context)
     log.info("model ready", checkpoint=str(checkpoint), cores=cores, layers=model.num_layers)
-    return Worker(config, model, finish, stopping)
+    return Worker(config, model, finish, stopping, SystemdNotify())
 
 
 def exit_on_error(main) -> None:

@@ -136,6 +136,9 @@ def test_pdserve_services_share_the_runtime_dir_and_the_model_cache(name):
     assert unit["Service.CacheDirectory"] == ["pdserve"]
     assert environment(name)["PDSERVE_MODEL_CACHE_DIR"] == "/var/cache/pdserve"
     assert unit["Unit.PartOf"] == ["pdserve.target"]
+    # READY=1 and watchdog pings come from the services themselves (tests/test_lifecycle.py).
+    assert unit["Service.Type"] == ["notify"] and unit["Service.NotifyAccess"] == ["main"]
+    assert int(unit["Service.WatchdogSec"][0]) > 0
 
 
 def test_router_sees_no_devices():

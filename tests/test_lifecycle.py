@@ -62,3 +62,35 @@ def test_router_survives_garbage_frames(stack):
     chunks = list(stack.stub.Generate(request, timeout=60))
     assert sum(len(c.token_ids) for c in chunks) == 2
     assert "malformed" in stack.log_path("router").read_text()
+
+
+def test_services_speak_systemds_notify_protocol(tmp_path, checkpoint):
+    """As under a Type=notify unit with WatchdogSec: each service says READY=1 once it serves,
+    pings the watchdog from its main loop, and says STOPPING=1 on SIGTERM."""
+    import socket as sockets
+
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    listener.settimeout(0.2)
+    cache_dir = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+    settings = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"}
+    messages: list[str] = []
+
+    def drain(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                messages.append(listener.recv(256).decode())
+            except TimeoutError:
+                pass
+
+    try:
+        with ServiceStack(tmp_path, cache_dir, **settings) as stack:
+            drain(2.5)
+            assert messages.count("READY=1") == 3
+            assert messages.count("WATCHDOG=1") >= 3 * 2  # every 0.5 s from each of the three
+            stack.stop()
+        drain(0.5)
+        assert messages.count("STOPPING=1") == 3
+    finally:
+        listener.close()

@@ -64,6 +64,7 @@ class DecodeWorker:
         self.model = model
         self.finish = worker.finish
         self.stopping = worker.stopping
+        self.notify = worker.notify
         self.max_batch_size = config.decode.max_batch_size
         self.weights_from = config.decode.weights_from
         # One page more than the allocator hands out: the CUDA graphs' padding rows write there.
@@ -101,6 +102,7 @@ class DecodeWorker:
 
     def run(self) -> None:
         self.link.start()
+        self.notify.ready()
         log.info("decode worker serving", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
                  stream_priority=self.stream.priority if self.stream is not None else None)
         try:
@@ -111,12 +113,8 @@ class DecodeWorker:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            for message in self.link.receive(timeout_s=0 if self.running else 0.1):
-                handler = self.handlers.get(type(message))
-                if handler is None:
-                    log.warning("unexpected message", kind=type(message).__name__)
-                else:
-                    handler(message)
+            self.notify.watchdog()
+            self.link.dispatch(self.handlers, timeout_s=0 if self.running else 0.1)
             while self.waiting and len(self.running) < self.max_batch_size:
                 self.running.append(self.waiting.popleft())
             if self.running:
@@ -178,6 +176,7 @@ class DecodeWorker:
         self.link.send(TokenBatch(out, started_at))
 
     def _shutdown(self) -> None:
+        self.notify.stopping()
         for request in [*self.running, *self.waiting]:
             self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, "decode worker is shutting down"))
             self.allocator.free(request.pages)

@@ -36,6 +36,7 @@ class PrefillWorker:
         self.model = model
         self.finish = worker.finish
         self.stopping = worker.stopping
+        self.notify = worker.notify
         self.chunk_tokens = config.prefill.chunk_tokens
         self.stream = worker_stream(model.device, high_priority=False)
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
@@ -64,6 +65,7 @@ class PrefillWorker:
 
     def run(self) -> None:
         self.link.start()
+        self.notify.ready()
         log.info("prefill worker serving", pool_pages=self.allocator.num_pages, kv_export=self.exported.handle.backend)
         try:
             with on_stream(self.stream):
@@ -73,12 +75,8 @@ class PrefillWorker:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            for message in self.link.receive(timeout_s=0 if self._next_fits() else 0.1):
-                handler = self.handlers.get(type(message))
-                if handler is None:
-                    log.warning("unexpected message", kind=type(message).__name__)
-                else:
-                    handler(message)
+            self.notify.watchdog()
+            self.link.dispatch(self.handlers, timeout_s=0 if self._next_fits() else 0.1)
             if self._next_fits():
                 self._prefill(*self.waiting.popleft())
 
@@ -123,6 +121,7 @@ class PrefillWorker:
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
 
     def _shutdown(self) -> None:
+        self.notify.stopping()
         for task, _ in self.waiting:
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
         self.link.close()

@@ -25,6 +25,7 @@ from services.router.validation import ModelLimits
 from shared import metrics
 from shared.config import Config
 from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
+from shared.process import SystemdNotify
 
 log = structlog.get_logger()
 
@@ -70,8 +71,16 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    notify = SystemdNotify()
+    notify.ready()
+    while not stopping.is_set():  # the watchdog pings stop if the event loop hangs
+        notify.watchdog()
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
 
+    notify.stopping()
     log.info("router stopping", grace_s=config.router.grace_period_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.router.grace_period_s)
