@@ -187,3 +187,11 @@ def test_cancelled_request_frees_its_pages(stack):
 def test_workers_report_their_pools(stack):
     roles = {w.role for w in stack.workers()}
     assert roles == {"prefill", "decode"}
+
+
+def test_oversized_request_is_refused_and_service_keeps_serving(stack):
+    huge = generation_pb2.GenerateRequest(prompt="x" * (5 * 1024 * 1024))  # above router.max_request_bytes
+    with pytest.raises(grpc.RpcError) as error:
+        list(stack.stub.Generate(huge, timeout=30))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(_generate(stack.stub, _request("prompt", "Hello", max_tokens=2, ignore_eos=True))[0]) == 2

@@ -106,6 +106,10 @@ def test_overload_is_resource_exhausted_and_nothing_is_lost(checkpoint, tmp_path
         assert outcomes.count(400) >= 1
         assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
         assert set(outcomes) <= {400, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        too_big = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=1000, ignore_eos=True)  # > 40 pages
+        with pytest.raises(grpc.RpcError) as error:
+            _tokens(stack.stub, too_big)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "pages" in error.value.details()
         stack.assert_pools_drained()
 
 

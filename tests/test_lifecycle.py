@@ -42,6 +42,12 @@ def test_launcher_stops_all_services_on_sigterm(tmp_path, checkpoint):
         assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments), "shared memory left behind"
 
 
+def test_zeromq_socket_sits_where_only_the_service_user_can_enter(stack):
+    runtime_dir = Path(stack.env["PDSERVE_ROUTER_RUNTIME_DIR"])
+    assert (runtime_dir / "router.ipc").exists()
+    assert runtime_dir.stat().st_mode & 0o777 == 0o700
+
+
 def test_router_survives_garbage_frames(stack):
     endpoint = f"ipc://{stack.env['PDSERVE_ROUTER_RUNTIME_DIR']}/router.ipc"
     context = zmq.Context()
