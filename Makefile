@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTO_OUT := proto/pdserve/v1/generation_pb2.py proto/pdserve/v1/generation_pb2_grpc.py
 ARGS ?=
 
-.PHONY: setup run test test-gpu bench proto clean
+.PHONY: setup run test test-gpu bench loadtest proto clean
 
 setup: $(VENV)/.installed $(PROTO_OUT)
 
@@ -33,6 +33,18 @@ test-gpu: setup
 
 bench: setup
 	$(PY) -m loadtest.bench_cpu $(ARGS)
+
+# Locust against a running stack (`make run` in another terminal); stops after RUN_TIME and
+# writes CSV and HTML reports into OUT. TRAFFIC: closed, trace or curve (loadtest/locustfile.py).
+USERS ?= 4
+RUN_TIME ?= 60s
+OUT ?= out/loadtest
+TRAFFIC ?= closed
+HOST ?= 127.0.0.1:50051
+loadtest: setup
+	mkdir -p $(OUT)
+	$(PY) -m locust -f loadtest/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(USERS) \
+		--run-time $(RUN_TIME) --csv $(OUT)/locust --html $(OUT)/locust.html --traffic $(TRAFFIC) $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) proto/pdserve/v1/generation_pb2.pyi
