@@ -53,6 +53,10 @@ class SystemdNotify:
 
     def __init__(self) -> None:
         self._notifier = sdnotify.SystemdNotifier()
+        if self._notifier.socket is not None:
+            # A datagram queue that nobody drains fills up; a blocking send would then hang the
+            # service's loop (the router's event loop included). Drop the notification instead.
+            self._notifier.socket.setblocking(False)
         watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
         self._interval_s = watchdog_usec / 2e6
         self._last_ping = 0.0

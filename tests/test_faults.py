@@ -36,20 +36,38 @@ def stack(checkpoint, tmp_path):
         yield services
 
 
-@pytest.mark.parametrize("victim", ["decode", "prefill"])
-def test_killed_worker_fails_its_requests_and_a_restarted_one_serves(stack, victim):
+def test_killed_decode_fails_its_requests_and_a_restarted_one_serves(stack):
     call = stack.stub.Generate(_long_request(), timeout=120)
-    next(call)  # the request is decoding: the prefill still holds nothing, the decode does
+    next(call)  # the request is decoding
     killed_at = time.monotonic()
-    stack.signal(victim, signal.SIGKILL)
-    if victim == "decode":
-        with pytest.raises(grpc.RpcError) as error:
-            for _ in call:
-                pass
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - killed_at < 10, "the request must end promptly"
-    else:
-        call.cancel()  # its KV was already pulled: the decode finishes it; cancelling frees the decode
+    stack.signal("decode", signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as error:
+        for _ in call:
+            pass
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - killed_at < 10, "the request must end promptly"
+    _restart_and_serve(stack, "decode")
+
+
+def test_killed_prefill_fails_only_what_it_held_and_a_restarted_one_serves(stack):
+    """Killed mid-prompt: that request ends UNAVAILABLE; one already decoding (its KV pulled) finishes."""
+    decoding = stack.stub.Generate(generation_pb2.GenerateRequest(
+        prompt="Count slowly:", max_tokens=40, ignore_eos=True, temperature=0), timeout=120)
+    next(decoding)
+    prefilling = stack.stub.Generate(generation_pb2.GenerateRequest(
+        prompt_token_ids=[1000 + i % 5000 for i in range(3000)], max_tokens=4, temperature=0), timeout=120)
+    time.sleep(0.5)  # a 3,000-token prompt keeps the prefill's core busy for seconds
+    killed_at = time.monotonic()
+    stack.signal("prefill", signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as error:
+        list(prefilling)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - killed_at < 10, "the request must end promptly"
+    assert sum(len(c.token_ids) for c in decoding) == 39  # the rest of the 40, after the first
+    _restart_and_serve(stack, "prefill")
+
+
+def _restart_and_serve(stack, victim: str) -> None:
     assert stack.wait_worker_gone(victim) < 10, "the router must notice a dead worker through heartbeats"
     stack.processes[victim].wait(timeout=10)
     stack.start(victim)

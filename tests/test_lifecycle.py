@@ -74,6 +74,7 @@ def test_services_speak_systemds_notify_protocol(tmp_path, checkpoint):
     """As under a Type=notify unit with WatchdogSec: each service says READY=1 once it serves,
     pings the watchdog from its main loop, and says STOPPING=1 on SIGTERM."""
     import socket as sockets
+    import threading
 
     listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
     listener.bind(str(tmp_path / "notify.sock"))
@@ -81,22 +82,48 @@ def test_services_speak_systemds_notify_protocol(tmp_path, checkpoint):
     cache_dir = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
     settings = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"}
     messages: list[str] = []
+    done = threading.Event()
 
-    def drain(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+    def drain() -> None:  # as systemd does, all the time
+        while not done.is_set():
             try:
                 messages.append(listener.recv(256).decode())
             except TimeoutError:
                 pass
 
+    drainer = threading.Thread(target=drain)
+    drainer.start()
     try:
         with ServiceStack(tmp_path, cache_dir, **settings) as stack:
-            drain(2.5)
+            seen = len(messages)
+            time.sleep(2.5)
             assert messages.count("READY=1") == 3
-            assert messages.count("WATCHDOG=1") >= 3 * 2  # every 0.5 s from each of the three
+            assert messages[seen:].count("WATCHDOG=1") >= 3 * 3  # every 0.5 s from each of the three
             stack.stop()
-        drain(0.5)
+        time.sleep(0.5)
         assert messages.count("STOPPING=1") == 3
     finally:
+        done.set()
+        drainer.join()
         listener.close()
+
+
+def test_notify_never_blocks_a_service_whose_notifications_nobody_reads(tmp_path, monkeypatch):
+    """A full notification queue must not hang the caller: the notification is dropped."""
+    import socket as sockets
+
+    from shared.process import SystemdNotify
+
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify.sock"))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    import threading
+
+    notify = SystemdNotify()
+    # Far beyond the kernel's datagram queue (net.unix.max_dgram_qlen), in a thread so that a
+    # regression fails this test instead of hanging it.
+    sender = threading.Thread(target=lambda: [notify.ready() for _ in range(1000)], daemon=True)
+    sender.start()
+    sender.join(timeout=5)
+    assert not sender.is_alive(), "a notification blocked its caller"
+    listener.close()
