@@ -27,13 +27,13 @@ log = structlog.get_logger()
 
 class RouterLink:
     def __init__(self, endpoint: str, worker_id: str, registration: Callable[[], Register],
-                 heartbeat: Callable[[], Heartbeat], heartbeat_interval_s: float, curve_keys: WorkerConfig):
+                 heartbeat: Callable[[], Heartbeat], settings: WorkerConfig):
         self._endpoint = endpoint
-        self._curve_keys = curve_keys  # where this worker's CURVE key files are; used on tcp:// only
+        self._settings = settings  # heartbeat interval; CURVE key files, used on tcp:// only
         self._worker_id = worker_id
         self._registration = registration
         self._heartbeat = heartbeat
-        self._interval = heartbeat_interval_s
+        self._interval = settings.heartbeat_interval_s
         self._context = zmq.Context()
         self._inbox: queue.Queue = queue.Queue()
         self._outbox_address = f"inproc://outbox-{id(self)}"
@@ -83,7 +83,7 @@ class RouterLink:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self._worker_id.encode())
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-        secure_client(dealer, self._endpoint, self._curve_keys)
+        secure_client(dealer, self._endpoint, self._settings)
         dealer.connect(self._endpoint)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)

@@ -79,7 +79,7 @@ class DecodeWorker:
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker.heartbeat_interval_s, config.worker)
+                               self._heartbeat, config.worker)
         self.handlers = {DecodeTask: self._on_task, Abort: self._on_abort,
                          PoolAvailable: self._on_pool_available, PoolGone: self._on_pool_gone}
         metrics.watch_worker(Role.DECODE, self.allocator.num_pages, self._heartbeat)

@@ -46,7 +46,7 @@ class PrefillWorker:
         self.waiting: deque[tuple[PrefillTask, float]] = deque()
         self.held: dict[str, list[int]] = {}
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker.heartbeat_interval_s, config.worker)
+                               self._heartbeat, config.worker)
         self.weights_path = None
         if model.device.type == "cuda":  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
