@@ -41,9 +41,15 @@ def stop_event_on_signals() -> threading.Event:
 
 
 def die_with_parent() -> None:
-    """Run in a child before exec: the kernel sends it SIGTERM when its parent dies."""
+    """The kernel sends this process SIGTERM when its parent dies, so a service started by the
+    launcher or a test never outlives it. Each service calls it first thing, rather than its parent
+    in a preexec_fn: forking a parent that runs gRPC threads and then running Python in the child
+    can abort in gRPC's fork handlers. Under systemd the parent is PID 1, which never goes."""
+    parent = os.getppid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SystemdNotify:

@@ -16,7 +16,7 @@ from shared.log import configure_logging
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.weight_share import map_weights, weights_file
-from shared.process import SystemdNotify, pin_to_cores, stop_event_on_signals
+from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_event_on_signals
 from shared.sampling import FinishCheck
 
 log = structlog.get_logger()
@@ -35,6 +35,7 @@ class Worker:
 
 def start_worker(service: str) -> Worker:
     """service is "prefill" or "decode": its config section names the worker id and cores."""
+    die_with_parent()
     config = parse_service_config(service)
     section = getattr(config, service)
     configure_logging(service, section.worker_id, config.log.format, config.log.level)

@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from shared.process import die_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "prefill", "decode")
@@ -76,8 +75,7 @@ class ServiceStack:
     def start(self, name: str) -> None:
         log = self.log_path(name).open("ab")
         self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=REPO, env=self.env,
-                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                preexec_fn=die_with_parent)
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def signal(self, name: str, sig: int) -> None:
         self.processes[name].send_signal(sig)

@@ -64,6 +64,12 @@ def test_trace_schedule_scales_time_and_rate_up_front():
     assert [a.at_s for a in bounded] == [0.0, 0.5]
 
 
+# The production trace is handed to the project beside the checkout (../shared), as in CI.
+needs_trace = pytest.mark.skipif(not traffic.DEFAULT_TRACE.exists(),
+                                 reason=f"no production trace at {traffic.DEFAULT_TRACE}")
+
+
+@needs_trace
 def test_shared_trace_reads_and_scales_to_the_cpu():
     records = traffic.read_trace()[:2000]
     scaling = traffic.TraceScaling(time_scale=0.1, rate_scale=0.1, length_scale=1 / 32, max_input_tokens=256,
@@ -142,6 +148,7 @@ def test_closed_loop_users(stack, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@needs_trace
 def test_trace_replay(stack, tmp_path):
     args = ["--traffic", "trace", "--time-scale", "0.1", "--rate-scale", "0.05", "--length-scale", "0.03125",
             "--max-input-tokens", "256", "--max-output-tokens", "16", "--replay-seconds", "8"]

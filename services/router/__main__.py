@@ -5,9 +5,11 @@ import uvloop
 from services.router.server import serve
 from shared.config import parse_service_config
 from shared.log import configure_logging
+from shared.process import die_with_parent
 
 
 def main() -> None:
+    die_with_parent()
     config = parse_service_config("router")
     configure_logging("router", "router", config.log.format, config.log.level)
     uvloop.run(serve(config))

@@ -1,8 +1,8 @@
 """python -m services.stack: router, prefill and decode as three processes, in the foreground.
 
 Ctrl-C or SIGTERM stops all three (SIGTERM, then SIGKILL after the grace period); if one of
-them dies the others are stopped too, and the exit code says so. Each child dies with this
-process (PR_SET_PDEATHSIG), so none is orphaned even if this one is killed.
+them dies the others are stopped too, and the exit code says so. Each service dies with its
+parent (shared.process.die_with_parent), so none is orphaned even if this one is killed.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ import subprocess
 import sys
 import time
 
-from shared.process import die_with_parent
 
 SERVICES = ("router", "prefill", "decode")
 
 
 def main() -> int:
     args = sys.argv[1:]  # passed through: --config, --model-path, ...
-    children = {name: subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], preexec_fn=die_with_parent)
-                for name in SERVICES}
+    children = {name: subprocess.Popen([sys.executable, "-m", f"services.{name}", *args]) for name in SERVICES}
     stop_requested = False
 
     def request_stop(*_):
