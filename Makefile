@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml
 $(PROTO_OUT): proto/pdserve/v1/generation.proto $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto $<
 
+proto: $(PROTO_OUT)
+
 run: setup
 	$(PY) -m services.stack $(ARGS)
 

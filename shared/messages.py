@@ -174,6 +174,7 @@ class KvPulled:
     request_id: str
     prefill_worker_id: str
     pull_s: float  # time to copy the pages into the decode's pool
+    pulled_at: float  # wall clock (time.time) when the pages were in the decode's pool: ends the handoff
 
 
 @dataclass(frozen=True)

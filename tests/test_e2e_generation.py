@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -195,3 +196,27 @@ def test_oversized_request_is_refused_and_service_keeps_serving(stack):
         list(stack.stub.Generate(huge, timeout=30))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert len(_generate(stack.stub, _request("prompt", "Hello", max_tokens=2, ignore_eos=True))[0]) == 2
+
+
+def test_last_chunk_reports_stage_timings(stack):
+    started = time.perf_counter()
+    chunks = []
+    for chunk in stack.stub.Generate(_request("prompt", "The three primary colors are", max_tokens=4,
+                                              ignore_eos=True), timeout=120):
+        chunks.append((time.perf_counter() - started, chunk))
+    client_ttft, client_second_token = chunks[0][0], chunks[1][0]
+    assert not any(c.HasField("timings") for _, c in chunks[:-1])
+    t = chunks[-1][1].timings
+    stages = [t.tokenize_s, t.router_queue_s, t.prefill_queue_s, t.prefill_compute_s, t.kv_handoff_s,
+              t.decode_queue_s, t.first_decode_step_s]
+    assert all(s >= 0 for s in stages) and t.prefill_compute_s > 0 and t.kv_handoff_s > 0
+    # The server's stages fit inside what the client saw, each measured where it happened.
+    assert t.tokenize_s + t.router_queue_s + t.prefill_queue_s + t.prefill_compute_s <= t.first_token_s <= client_ttft
+    # The second token is the decode's first: it comes after the prefill's stages and the decode's.
+    assert sum(stages) <= client_second_token
+
+
+def test_a_request_ended_by_its_first_token_has_no_decode_stages(stack):
+    last = _generate(stack.stub, _request("prompt", "Hello", max_tokens=1))[2]
+    assert last.timings.first_token_s > 0
+    assert (last.timings.kv_handoff_s, last.timings.decode_queue_s, last.timings.first_decode_step_s) == (0, 0, 0)

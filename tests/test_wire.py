@@ -31,7 +31,7 @@ SAMPLES = [
     m.KvReady("req-1", "prefill-0", [0, 5, 7], 40, 17, None, queued_s=0.001, compute_s=0.25, ready_at=1795940000.5),
     m.KvReady("req-2", "prefill-0", [3], 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1, ready_at=1795940001.0),
     m.DecodeTask("req-1", "prefill-0", [0, 5, 7], 40, 17, SAMPLING, STOP),
-    m.KvPulled("req-1", "prefill-0", pull_s=0.003),
+    m.KvPulled("req-1", "prefill-0", pull_s=0.003, pulled_at=1.7e9),
     m.ReleaseKv("req-1"),
     m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)], 1795940002.25),
     m.TokenBatch([]),

@@ -144,7 +144,7 @@ class DecodeWorker:
             self.allocator.free(pages)
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
-        self.link.send(KvPulled(task.request_id, task.prefill_worker_id, pull_s))
+        self.link.send(KvPulled(task.request_id, task.prefill_worker_id, pull_s, time.time()))
         self.waiting.append(DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1,
                                             task.sampling, task.stop))
 

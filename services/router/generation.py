@@ -34,6 +34,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
                 prompt_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
                 job = build_job(request, prompt_ids, self.limits)
+                tokenize_s = time.perf_counter() - timer.arrived
             except InvalidRequest as exc:
                 log.info("invalid request", error=str(exc))
                 timer.failed("INVALID_ARGUMENT")
@@ -43,6 +44,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 timer.failed("INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize the input: {exc}")
             inflight = InflightRequest(request_id, job)
+            inflight.timings["tokenize_s"] = tokenize_s
             try:
                 await self.router.submit(inflight)
                 async for response in self._stream(inflight, context, timer):
@@ -78,7 +80,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             timer.succeeded(finish, generated)
             yield generation_pb2.GenerateResponse(
                 request_id=inflight.request_id, token_ids=[event.token_id],
-                text=piece if stopped else piece + text.flush(), finish_reason=finish.value, usage=usage)
+                text=piece if stopped else piece + text.flush(), finish_reason=finish.value, usage=usage,
+                timings=generation_pb2.StageTimings(**inflight.stage_timings()))
             return
 
     async def ListWorkers(self, request, context):

@@ -77,8 +77,25 @@ class InflightRequest:
     decode_pages: int = 0
     # Seconds per stage, for the summary line and the benchmarks' TTFT breakdown.
     timings: dict[str, float] = field(default_factory=dict)
-    kv_ready_at: float = 0.0  # the prefill's wall clock when the KV was complete
     submitted_at: float = field(default_factory=time.perf_counter)
+    # Wall clocks (time.time) of the handoff, stamped by the processes where each happened.
+    kv_ready_at: float = 0.0            # the prefill's KV complete
+    pulled_at: float = 0.0              # the pages in the decode's pool
+    first_step_started_at: float = 0.0  # the decode's first step for this request began
+    first_step_received_at: float = 0.0  # that step's tokens reached the router
+
+    def stage_timings(self) -> dict[str, float]:
+        """The StageTimings of the API (proto/pdserve/v1/generation.proto), in seconds."""
+        t = self.timings
+        stages = {"tokenize_s": t.get("tokenize_s", 0.0), "router_queue_s": t.get("admission_s", 0.0),
+                  "prefill_queue_s": t.get("prefill_queue_s", 0.0),
+                  "prefill_compute_s": t.get("prefill_compute_s", 0.0),
+                  "first_token_s": t.get("tokenize_s", 0.0) + t.get("ttft_s", 0.0)}
+        if self.pulled_at and self.first_step_started_at:
+            stages.update(kv_handoff_s=self.pulled_at - self.kv_ready_at,
+                          decode_queue_s=self.first_step_started_at - self.pulled_at,
+                          first_decode_step_s=self.first_step_received_at - self.first_step_started_at)
+        return stages
 
 
 class TokenRouter:
@@ -304,6 +321,7 @@ class TokenRouter:
         request = self.requests.get(message.request_id)
         if request is not None and request.prefill is not None:
             request.timings["kv_pull_s"] = message.pull_s
+            request.pulled_at = message.pulled_at
             metrics.observe(metrics.KV_PULL, message.pull_s)
             request.prefill.reserved_pages -= request.prefill_pages
             request.prefill.requests.discard(request.request_id)
@@ -320,7 +338,8 @@ class TokenRouter:
             request = self.requests.get(token.request_id)
             if request is None or request.stage != Stage.DECODE:
                 continue
-            if "handoff_s" not in request.timings:  # its first decode step
+            if not request.first_step_started_at:  # its first decode step
+                request.first_step_started_at, request.first_step_received_at = message.step_started_at, time.time()
                 request.timings["handoff_s"] = message.step_started_at - request.kv_ready_at
                 metrics.observe(metrics.KV_HANDOFF, request.timings["handoff_s"])
             if token.finish_reason is not None:
