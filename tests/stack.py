@@ -27,10 +27,14 @@ def free_port() -> int:
 
 class ServiceStack:
     def __init__(self, workdir: Path, cache_dir: str, services: tuple[str, ...] = SERVICES,
-                 start_timeout_s: float = 240.0, **settings: str):
-        """services: the modules to start; ("stack",) runs the all-in-one launcher of `make run`."""
+                 start_timeout_s: float = 240.0, service_env: dict[str, dict[str, str]] | None = None,
+                 **settings: str):
+        """services: the modules to start, under services/ unless the name is a dotted module path;
+        ("stack",) runs the all-in-one launcher of `make run`. service_env: extra environment of
+        one service (e.g. its MPS share of the SMs), on top of settings, which all of them get."""
         self.workdir = workdir
         self.services = services
+        self.service_env = service_env or {}
         self.address = f"127.0.0.1:{free_port()}"
         self.env = {
             **os.environ,
@@ -74,7 +78,9 @@ class ServiceStack:
 
     def start(self, name: str) -> None:
         log = self.log_path(name).open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=REPO, env=self.env,
+        module = name if "." in name else f"services.{name}"
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", module], cwd=REPO,
+                                                env={**self.env, **self.service_env.get(name, {})},
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def signal(self, name: str, sig: int) -> None:
