@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -109,12 +110,18 @@ def test_stack_on_gpu_matches_transformers(tmp_path):
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
     prompts = [[1, 5, 9, 200, 31, 7], list(range(10, 90)), [3] * 40 + [17, 19, 23]]
     settings = {"PDSERVE_MODEL_PATH": model_path, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "float32"}
+    references = [_reference(reference, prompt, 16) for prompt in prompts]
+
+    def generate(prompt: list[int]) -> list[int]:
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
+        return [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
+
     with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
-        for prompt in prompts:
-            request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
-            ids = [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
-            expected, logits = _reference(reference, prompt, 16)
-            _assert_matches_reference(ids, expected, logits, f"gpu prompt of {len(prompt)}")
+        for prompt, (expected, logits) in zip(prompts, references):
+            _assert_matches_reference(generate(prompt), expected, logits, f"gpu prompt of {len(prompt)}")
+        with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the decode's graphs
+            for prompt, ids, (expected, logits) in zip(prompts, pool.map(generate, prompts), references):
+                _assert_matches_reference(ids, expected, logits, f"concurrent gpu prompt of {len(prompt)}")
         stack.assert_pools_drained()
 
 
