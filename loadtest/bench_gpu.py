@@ -7,6 +7,8 @@ Everything is measured in one run beside its physical limit, measured in the sam
   so a decode step's floor is (weight bytes + KV bytes it must read) / bandwidth;
 - the bf16 matmul rate (8192^3), so a prefill's efficiency is its model FLOPs / time / that rate;
 - transformers' own `generate` at batch 1 on the same weights, the baseline.
+Each weight shape of a decode step is also read by cuBLAS and by the Triton GEMV alone, timed as
+shared/model/linear_choice.py times them to choose between the two.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place.
 """
@@ -14,16 +16,20 @@ Decode steps run as the decode worker runs them: one CUDA graph replay per step
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
 from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
 from shared.messages import SamplingParams, StopParams
-from shared.model import presets
+from shared.model import gemv_triton, presets
+from shared.model.linear_choice import time_per_call_ms
 from shared.model.llama import PagedLlama
 
 GIB = 1 << 30
@@ -124,6 +130,30 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
     return results + [{"skipped_kv_does_not_fit": skipped}] if skipped else results
 
 
+def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> list[dict]:
+    """Each weight shape of a decode step, read by cuBLAS and by the Triton GEMV: weight bytes per
+    second, and that as a fraction of the copy bandwidth."""
+    layer = model.layers[0]
+    weights = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down,
+               "lm_head": model.lm_head}
+    results = []
+    for batch in rows:
+        for name, weight in weights.items():
+            x = torch.randn(batch, weight.shape[1], dtype=weight.dtype, device="cuda")
+            backends = {"cublas": functools.partial(F.linear, x)}
+            if gemv_triton.supports(x, weight):
+                backends["gemv"] = functools.partial(gemv_triton.gemv, x)
+            entry = {"weight": name, "n": weight.shape[0], "k": weight.shape[1], "rows": batch}
+            for backend, fn in backends.items():
+                ms = time_per_call_ms(fn, weight)
+                gbs = weight.numel() * weight.element_size() / (ms / 1e3) / 1e9
+                entry |= {f"{backend}_us": ms * 1e3, f"{backend}_gbs": gbs, f"{backend}_of_copy": gbs / bandwidth_gbs}
+            if "gemv" in backends:
+                entry["gemv_config"] = gemv_triton.last_tuned_config()
+            results.append(entry)
+    return results
+
+
 def bench_prefill(model: PagedLlama, lengths: list[int], tflops: float, chunk: int) -> list[dict]:
     page_size = 16
     layout = make_layout(model.num_layers, pages_for(max(lengths), page_size), page_size, model.num_kv_heads,
@@ -166,6 +196,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,8192")
     parser.add_argument("--prefill", default="1024,8192,32768")
     parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--linear-rows", default="1,8", help="batch sizes of the per-weight cuBLAS/GEMV comparison")
     parser.add_argument("--out")
     args = parser.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -181,12 +212,14 @@ def main() -> None:
         "copy_bandwidth_gbs": bandwidth, "matmul_bf16_tflops": tflops,
         "weight_gb_per_step": weight_bytes_per_step(model) / 1e9,
         "transformers_generate": baseline,
+        "linears": bench_linears(model, ints(args.linear_rows), bandwidth),
         "prefill": bench_prefill(model, ints(args.prefill), tflops, args.chunk_tokens),
         "handoff_copy": bench_handoff(model, [1024, 4096, 8192, 16384, 32768], bandwidth),
     }
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
+    report["linear_choices"] = [dataclasses.asdict(c) for c in model.linears.choices.values()]
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     text = json.dumps(report, indent=2)
     print(text)

@@ -1,0 +1,256 @@
+"""The Triton GEMV against F.linear, and the per-shape choice between it and cuBLAS.
+
+Without CUDA the kernel runs in Triton's CPU interpreter, one explicit config at a time, on small
+shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so there bf16 runs only
+through the multiply-add configs; the tensor-core configs are checked in fp32 and fp16 here and in
+bf16 on the GPU, where the autotuned kernel also runs at the shapes of Llama-3.1-8B, llama-tiny and
+SmolLM2-135M, and inside the decode step.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported: @triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from shared.model import gemv_triton
+from shared.model.gemv_triton import CONFIGS, MAX_ROWS, gemv
+from shared.model.linear_choice import LinearChooser
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+H200_SMS = 132
+
+MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
+SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1]
+# Multiply-add configs take one row, tensor-core configs up to 16.
+CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"]]
+
+
+def config_id(config) -> str:
+    return "m{BLOCK_M}-n{BLOCK_N}-k{BLOCK_K}-s{SPLIT_K}".format(**config.kwargs)
+
+
+def operands(rows, n, k, dtype, device, seed=0):
+    """x and weight scaled so every output is about N(0, 1), whatever K; drawn on the device (the
+    8B lm_head is half a billion numbers)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, device=device) / k ** 0.5
+    return x.to(dtype), torch.randn(n, k, generator=gen, device=device).to(dtype)
+
+
+def check(out, x, weight, tol):
+    assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **tol)
+
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+FP16_TOL = {"atol": 2e-3, "rtol": 2e-3}
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+
+
+# --- CPU interpreter (or compiled, when CUDA is present), explicit configs -----------------------
+
+@pytest.mark.parametrize("config,rows", CONFIG_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in CONFIG_ROWS])
+@pytest.mark.parametrize("n,k", [(96, 256), (100, 200)], ids=["even", "partial-blocks"])
+def test_every_config_fp32(config, rows, n, k):
+    x, weight = operands(rows, n, k, torch.float32, DEVICE)
+    check(gemv(x, weight, config), x, weight, FP32_TOL)
+
+
+@pytest.mark.parametrize("config", [MULTIPLY_ADD[0], CONFIGS[-1]], ids=config_id)
+def test_fp16(config):
+    x, weight = operands(1, 96, 256, torch.float16, DEVICE)
+    check(gemv(x, weight, config), x, weight, FP16_TOL)
+
+
+@pytest.mark.parametrize("config", MULTIPLY_ADD, ids=config_id)
+def test_bf16_multiply_add(config):
+    x, weight = operands(1, 100, 576, torch.bfloat16, DEVICE)
+    check(gemv(x, weight, config), x, weight, BF16_TOL)
+
+
+@pytest.mark.parametrize("config", SPLIT, ids=config_id)
+def test_split_k_at_max_rows(config):
+    # K = 448: the last split gets a partial block (split 2) or nothing at all (split 4).
+    x, weight = operands(MAX_ROWS, 64, 448, torch.float32, DEVICE)
+    check(gemv(x, weight, config), x, weight, FP32_TOL)
+
+
+def test_strided_rows_of_x():
+    # A row stride wider than K, as for a slice of a larger activation buffer.
+    x, weight = operands(3, 96, 384, torch.float32, DEVICE)
+    x = x[:, :256]
+    weight = weight[:, :256].contiguous()
+    check(gemv(x, weight, CONFIGS[3]), x, weight, FP32_TOL)
+
+
+def test_usable_configs_at_8b_shapes():
+    def usable(rows, n, k):
+        return gemv_triton._usable_configs(rows, n, k, H200_SMS)
+
+    o_proj_one_row = usable(1, 4096, 4096)
+    assert any(c.kwargs["BLOCK_M"] == 1 for c in o_proj_one_row)
+    assert any(c.kwargs["SPLIT_K"] > 1 for c in o_proj_one_row), "N = 4096 leaves SMs idle without split-K"
+    assert all(c.kwargs["BLOCK_M"] == 16 for c in usable(8, 4096, 14336))
+    assert all(c.kwargs["SPLIT_K"] == 1 for c in usable(1, 28672, 4096)), "gate_up has rows enough"
+    for rows in range(1, MAX_ROWS + 1):
+        for n, k in [(96, 64), (576, 576), (128256, 4096)]:
+            assert usable(rows, n, k), f"no config for {rows}x{k} @ {n}x{k}"
+
+
+def test_bad_inputs_raise():
+    x, weight = operands(3, 96, 256, torch.float32, DEVICE)
+    with pytest.raises(ValueError):
+        gemv(x, weight[:, :128].contiguous(), CONFIGS[3])
+    with pytest.raises(ValueError):
+        gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, CONFIGS[3])
+    with pytest.raises(ValueError):
+        gemv(x, weight.half(), CONFIGS[3])
+    with pytest.raises(ValueError):
+        gemv(x, weight.t().contiguous().t(), CONFIGS[3])
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="autotuning needs CUDA"):
+            gemv(x, weight)
+
+
+def test_chooser_on_cpu_is_f_linear():
+    chooser = LinearChooser()
+    x, weight = operands(2, 96, 256, torch.float32, "cpu")
+    bias = torch.randn(96)
+    assert not gemv_triton.supports(x, weight)
+    assert torch.equal(chooser.apply(x, weight), F.linear(x, weight))
+    assert torch.equal(chooser.apply(x, weight, bias), F.linear(x, weight, bias))
+    assert chooser.choices == {}
+    with pytest.raises(ValueError):
+        LinearChooser("fastest")
+
+
+def test_imports_without_triton(monkeypatch):
+    # The CPU code path imports this module where triton is not installed.
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.setitem(sys.modules, "triton.testing", None)
+    spec = importlib.util.spec_from_file_location("gemv_triton_no_triton", gemv_triton.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x, weight = operands(1, 96, 256, torch.float32, "cpu")
+    assert not module.supports(x, weight)
+    with pytest.raises(ImportError, match="needs triton"):
+        module.gemv(x, weight)
+
+
+# --- compiled on CUDA: autotuned, model shapes, CUDA graphs, the decode step ---------------------
+
+needs_cuda = pytest.mark.skipif(not COMPILED_CUDA, reason="needs CUDA with compiled (not interpreted) Triton")
+
+LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+            "lm_head": (128256, 4096)}
+SMALL_MODELS = {"tiny-qkv": (768, 512), "tiny-o_proj": (512, 512), "tiny-gate_up": (3072, 512),
+                "tiny-down": (512, 1536), "tiny-lm_head": (32000, 512),
+                "smol-qkv": (960, 576), "smol-o_proj": (576, 576), "smol-gate_up": (3072, 576),
+                "smol-down": (576, 1536), "smol-lm_head": (49152, 576)}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("shape", LLAMA_8B.values(), ids=LLAMA_8B.keys())
+def test_8b_shapes_bf16_cuda(shape, rows):
+    x, weight = operands(rows, *shape, torch.bfloat16, "cuda")
+    check(gemv(x, weight), x, weight, BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", SMALL_MODELS.values(), ids=SMALL_MODELS.keys())
+def test_small_model_shapes_bf16_cuda(shape, rows):
+    # fp32 at the llama-tiny shapes: test_decode_chooses_per_shape_and_keeps_the_logits.
+    x, weight = operands(rows, *shape, torch.bfloat16, "cuda")
+    check(gemv(x, weight), x, weight, BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_every_config_bf16_cuda(config):
+    rows = 1 if config.kwargs["BLOCK_M"] == 1 else 5
+    x, weight = operands(rows, 4096, 14336, torch.bfloat16, "cuda")
+    check(gemv(x, weight, config), x, weight, BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_cuda():
+    x, weight = operands(8, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
+    down_x, down = operands(8, *LLAMA_8B["down"], torch.bfloat16, "cuda")
+    for a, b in ((x, weight), (down_x, down)):
+        gemv(a, b)  # autotunes, which must happen outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = gemv(x, weight), gemv(down_x, down)
+    x.copy_(torch.randn_like(x))
+    down_x.copy_(torch.randn_like(down_x))
+    graph.replay()
+    for got, want in zip(outs, (gemv(x, weight), gemv(down_x, down))):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
+    """Graph warm-up makes one choice per (batch, weight shape); the graphed step with those
+    choices, and an eager step forced onto the GEMV, give cuBLAS's logits."""
+    from services.decode.batch import DecodingRequest, step_inputs
+    from services.decode.cuda_graphs import GraphedDecode
+    from shared.kv_pool import (
+        PageAllocator,
+        allocate_local_pool,
+        make_layout,
+        pages_for,
+    )
+    from shared.messages import SamplingParams, StopParams
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    hf = random_hf_model("random:llama-tiny", dtype, "cuda:0")
+    chosen, forced, cublas = (PagedLlama.from_hf(hf, "cuda:0") for _ in range(3))
+    forced.linears, cublas.linears = LinearChooser("gemv"), LinearChooser("cublas")
+    layout = make_layout(chosen.num_layers, 256, 16, chosen.num_kv_heads, chosen.head_dim, dtype)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    graphs = GraphedDecode(chosen, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
+
+    weights = [chosen.layers[0].qkv, chosen.layers[0].o_proj, chosen.layers[0].gate_up, chosen.layers[0].down,
+               chosen.lm_head]
+    assert set(chosen.linears.choices) == {(rows, *w.shape, dtype) for rows in (1, 4, 8) for w in weights}
+
+    requests = []
+    for i, length in enumerate([5, 40, 17]):
+        pages = allocator.allocate(pages_for(length + 8, 16))
+        cublas.prefill(list(range(3, 3 + length)), pool, pages)
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
+                                        StopParams(8, True)))
+    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    kv_before = pool.kv.clone()
+    logits = {}
+    for name, step in (("graphed", lambda: graphs.step(inputs)),
+                       ("gemv", lambda: forced.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)),
+                       ("cublas", lambda: cublas.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool))):
+        pool.kv.copy_(kv_before)
+        logits[name] = step().clone()
+    scale = logits["cublas"].abs().max().item()
+    tol = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float32 else {"atol": 3e-2 * scale, "rtol": 3e-2}
+    torch.testing.assert_close(logits["graphed"], logits["cublas"], **tol)
+    torch.testing.assert_close(logits["gemv"], logits["cublas"], **tol)
