@@ -29,7 +29,7 @@ from services.decode.cuda_graphs import GraphedDecode
 from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
 from shared.messages import SamplingParams, StopParams
 from shared.model import gemv_triton, presets
-from shared.model.linear_choice import time_per_call_ms
+from shared.model.linear_choice import LinearChooser, time_per_call_ms
 from shared.model.llama import PagedLlama
 
 GIB = 1 << 30
@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--prefill", default="1024,8192,32768")
     parser.add_argument("--chunk-tokens", type=int, default=8192)
     parser.add_argument("--linear-rows", default="1,8", help="batch sizes of the per-weight cuBLAS/GEMV comparison")
+    parser.add_argument("--cublas-batches", default="1,8",
+                        help="batch sizes whose decode step is also timed with cuBLAS for every matmul; empty: skip")
     parser.add_argument("--out")
     args = parser.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -220,6 +222,10 @@ def main() -> None:
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
     report["linear_choices"] = [dataclasses.asdict(c) for c in model.linears.choices.values()]
+    if args.cublas_batches:  # the same steps with every matmul on cuBLAS: what the GEMV choice gains
+        model.linears = LinearChooser("cublas")
+        report["decode_cublas_only"] = bench_decode(model, ints(args.cublas_batches), ints(args.contexts),
+                                                    bandwidth, int(free * 0.85))
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     text = json.dumps(report, indent=2)
     print(text)
