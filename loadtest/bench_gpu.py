@@ -8,8 +8,7 @@ Everything is measured in one run beside its physical limit, measured in the sam
 - the bf16 matmul rate (8192^3), so a prefill's efficiency is its model FLOPs / time / that rate;
 - transformers' own `generate` at batch 1 on the same weights, the baseline.
 Each weight shape of a decode step is also read by cuBLAS and by the Triton GEMV alone, timed as
-shared/model/linear_choice.py times them to choose between the two; the decode steps of small
-batches run again with no elementwise kernel fused into a GEMV, and again with cuBLAS only.
+shared/model/linear_choice.py times them to choose between the two.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place.
 """
@@ -200,9 +199,6 @@ def main() -> None:
     parser.add_argument("--linear-rows", default="1,8", help="batch sizes of the per-weight cuBLAS/GEMV comparison")
     parser.add_argument("--cublas-batches", default="1,8",
                         help="batch sizes whose decode step is also timed with cuBLAS for every matmul; empty: skip")
-    parser.add_argument("--unfused-batches", default="1,8",
-                        help="batch sizes whose decode step is also timed with no elementwise kernel fused into a "
-                             "GEMV; empty: skip")
     parser.add_argument("--out")
     args = parser.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -226,13 +222,6 @@ def main() -> None:
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
     report["linear_choices"] = [dataclasses.asdict(c) for c in model.linears.choices.values()]
-    report["fusion_choices"] = [dataclasses.asdict(c) for c in model.linears.fusions.values()]
-    if args.unfused_batches:  # the same steps and matmul choices with every prologue fusion off: what fusing gains
-        chosen = model.linears
-        model.linears = LinearChooser(fuse="off")
-        model.linears.choices = dict(chosen.choices)
-        report["decode_unfused"] = bench_decode(model, ints(args.unfused_batches), ints(args.contexts), bandwidth,
-                                                int(free * 0.85))
     if args.cublas_batches:  # the same steps with every matmul on cuBLAS: what the GEMV choice gains
         model.linears = LinearChooser("cublas")
         report["decode_cublas_only"] = bench_decode(model, ints(args.cublas_batches), ints(args.contexts),

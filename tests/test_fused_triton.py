@@ -1,9 +1,7 @@
 """The fused Triton kernels against the PyTorch expressions of shared/model/llama.py they replace.
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
-cases run compiled on the GPU, plus bf16 cases at Llama-3.1-8B size. The GEMVs with silu_and_mul or
-add_rms_norm as their prologue (shared/model/gemv_triton.py) are checked against these kernels
-followed by the plain GEMV or F.linear.
+cases run compiled on the GPU, plus bf16 cases at Llama-3.1-8B size.
 """
 
 import importlib.util
@@ -20,7 +18,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from shared.model import fused_triton, gemv_triton
+from shared.model import fused_triton
 from shared.model.fused_triton import (
     add_rms_norm,
     rms_norm,
@@ -186,76 +184,6 @@ def test_bad_shapes_raise():
                       case["pages"], case["offsets"], 4, 1, 64)
 
 
-# --- the GEMV with a fused prologue, against the kernel followed by the plain GEMV -----------------
-
-# The multiply-add configs at one row, then tensor-core configs without and with split-K. bf16 only
-# through multiply-add: the interpreter's tl.dot multiplies bf16 bit patterns as integers.
-MULTIPLY_ADD = [c for c in gemv_triton.CONFIGS if c.kwargs["BLOCK_M"] == 1]
-TENSOR_CORE = [c for c in gemv_triton.CONFIGS if c.kwargs["BLOCK_M"] == 16]
-PROLOGUE_CASES = ([(c, 1, torch.float32) for c in MULTIPLY_ADD]
-                  + [(c, rows, torch.float32) for c in TENSOR_CORE[:1] + TENSOR_CORE[-2:] for rows in (3, 8)]
-                  + [(c, 1, torch.bfloat16) for c in MULTIPLY_ADD[:2]])
-PROLOGUE_IDS = ["m{BLOCK_M}-n{BLOCK_N}-k{BLOCK_K}-s{SPLIT_K}".format(**c.kwargs) + f"-rows{rows}-{str(dtype)[6:]}"
-                for c, rows, dtype in PROLOGUE_CASES]
-# One bf16 rounding step of the normalised x, where the rms is summed in another order.
-BF16_ULP_TOL = {"atol": 1e-2, "rtol": 2 ** -7}
-
-
-def norm_gemv_case(rows, hidden, n, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, hidden, generator=gen)
-    residual = torch.randn(rows, hidden, generator=gen) * 4
-    norm_weight = torch.rand(hidden, generator=gen) + 0.5
-    weight = torch.randn(n, hidden, generator=gen) / hidden ** 0.5
-    return [t.to(device, dtype) for t in (x, residual, norm_weight, weight)]
-
-
-@pytest.mark.parametrize("config,rows,dtype", PROLOGUE_CASES, ids=PROLOGUE_IDS)
-def test_silu_mul_gemv(config, rows, dtype):
-    # I = 320: every BLOCK_K leaves a partial block; split 4 leaves splits with nothing to do.
-    gen = torch.Generator().manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 320, generator=gen) * 3).to(DEVICE, dtype)
-    weight = (torch.randn(96, 320, generator=gen) / 320 ** 0.5).to(DEVICE, dtype)
-    out = gemv_triton.silu_mul_gemv(gate_up, weight, config)
-    # The same x blocks, rounded the same way, in the same accumulation order: bit for bit.
-    assert torch.equal(out, gemv_triton.gemv(silu_and_mul(gate_up), weight, config))
-
-
-@pytest.mark.parametrize("config,rows,dtype", PROLOGUE_CASES, ids=PROLOGUE_IDS)
-def test_add_rms_norm_gemv(config, rows, dtype):
-    x, residual, norm_weight, weight = norm_gemv_case(rows, 256, 96, dtype, DEVICE)
-    inputs = [t.clone() for t in (x, residual)]
-    out, summed = gemv_triton.add_rms_norm_gemv(x, residual, norm_weight, EPS, weight, config)
-    normed, ref_summed = add_rms_norm(x, residual, norm_weight, EPS)
-    assert torch.equal(summed, ref_summed)
-    tol = FP32_TOL if dtype == torch.float32 else BF16_ULP_TOL
-    torch.testing.assert_close(out, gemv_triton.gemv(normed, weight, config), **tol)
-    assert all(torch.equal(a, b) for a, b in zip(inputs, (x, residual))), "inputs must not change"
-
-
-def test_add_rms_norm_gemv_strided_rows():
-    # Rows of a wider buffer, as the decode step's activations may be.
-    x, residual, norm_weight, weight = norm_gemv_case(3, 384, 96, torch.float32, DEVICE)
-    x, residual, norm_weight, weight = x[:, :256], residual[:, 128:], norm_weight[:256], weight[:, :256].contiguous()
-    out, summed = gemv_triton.add_rms_norm_gemv(x, residual, norm_weight, EPS, weight, TENSOR_CORE[0])
-    normed, ref_summed = add_rms_norm(x, residual, norm_weight, EPS)
-    assert torch.equal(summed, ref_summed)
-    torch.testing.assert_close(out, F.linear(normed, weight), **FP32_TOL)
-
-
-def test_prologue_gemv_bad_inputs_raise():
-    config = TENSOR_CORE[0]
-    x, residual, norm_weight, weight = norm_gemv_case(3, 256, 96, torch.float32, DEVICE)
-    with pytest.raises(ValueError):  # gate_up must be twice K wide
-        gemv_triton.silu_mul_gemv(torch.randn(3, 256, device=DEVICE), weight, config)
-    with pytest.raises(ValueError):
-        gemv_triton.add_rms_norm_gemv(x, residual[:2], norm_weight, EPS, weight, config)
-    with pytest.raises(ValueError):
-        gemv_triton.add_rms_norm_gemv(x, residual, norm_weight[:128], EPS, weight, config)
-    with pytest.raises(ValueError):
-        gemv_triton.add_rms_norm_gemv(x, residual.half(), norm_weight, EPS, weight, config)
-
-
 def test_imports_without_triton(monkeypatch):
     # The CPU code path imports this module where triton is not installed.
     monkeypatch.setitem(sys.modules, "triton", None)
@@ -331,21 +259,3 @@ def test_cuda_graph_capture():
     expected = step()
     for got, want in zip(outs, expected):
         assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-def test_prologue_gemvs_8b_shapes_bf16_cuda(rows):
-    """Autotuned, at Llama-3.1-8B's shapes: down after SiLU*up; qkv, gate_up and lm_head after the
-    add + RMSNorm; against the unfused kernels and cuBLAS."""
-    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
-    down = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 14336 ** 0.5
-    torch.testing.assert_close(gemv_triton.silu_mul_gemv(gate_up, down), F.linear(silu_and_mul(gate_up), down),
-                               **BF16_TOL)
-    for n in (6144, 28672, 128256):
-        x, residual, norm_weight, weight = norm_gemv_case(rows, 4096, n, torch.bfloat16, "cuda", seed=n)
-        out, summed = gemv_triton.add_rms_norm_gemv(x, residual, norm_weight, EPS, weight)
-        normed, ref_summed = add_rms_norm(x, residual, norm_weight, EPS)
-        assert torch.equal(summed, ref_summed)
-        torch.testing.assert_close(out, F.linear(normed, weight), **BF16_TOL)

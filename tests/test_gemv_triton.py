@@ -132,23 +132,6 @@ def test_chooser_on_cpu_is_f_linear():
     assert chooser.choices == {}
     with pytest.raises(ValueError):
         LinearChooser("fastest")
-    with pytest.raises(ValueError):
-        LinearChooser(fuse="always")
-
-
-def test_chooser_on_cpu_runs_the_prologues_unfused():
-    from shared.model import fused_triton
-
-    chooser = LinearChooser(fuse="on")
-    gate_up, down = operands(2, 96, 512, torch.float32, "cpu")
-    x, weight = operands(2, 96, 256, torch.float32, "cpu", seed=1)
-    residual, norm_weight = torch.randn_like(x), torch.rand(256) + 0.5
-    assert torch.equal(chooser.silu_mul_linear(gate_up, down[:, :256].contiguous()),
-                       F.linear(fused_triton.silu_and_mul(gate_up), down[:, :256]))
-    out, summed = chooser.add_rms_norm_linear(x, residual, norm_weight, 1e-5, weight)
-    normed, ref_summed = fused_triton.add_rms_norm(x, residual, norm_weight, 1e-5)
-    assert torch.equal(summed, ref_summed) and torch.equal(out, F.linear(normed, weight))
-    assert chooser.fusions == {}
 
 
 def test_imports_without_triton(monkeypatch):
@@ -242,9 +225,8 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     from shared.model.presets import random_hf_model
 
     hf = random_hf_model("random:llama-tiny", dtype, "cuda:0")
-    chosen, forced, fused, cublas = (PagedLlama.from_hf(hf, "cuda:0") for _ in range(4))
-    forced.linears, cublas.linears = LinearChooser("gemv", fuse="off"), LinearChooser("cublas")
-    fused.linears = LinearChooser(fuse="on")
+    chosen, forced, cublas = (PagedLlama.from_hf(hf, "cuda:0") for _ in range(3))
+    forced.linears, cublas.linears = LinearChooser("gemv"), LinearChooser("cublas")
     layout = make_layout(chosen.num_layers, 256, 16, chosen.num_kv_heads, chosen.head_dim, dtype)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
@@ -253,9 +235,6 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     weights = [chosen.layers[0].qkv, chosen.layers[0].o_proj, chosen.layers[0].gate_up, chosen.layers[0].down,
                chosen.lm_head]
     assert set(chosen.linears.choices) == {(rows, *w.shape, dtype) for rows in (1, 4, 8) for w in weights}
-    prologues = [("add_rms_norm", weights[0]), ("add_rms_norm", weights[2]), ("silu_mul", weights[3]),
-                 ("add_rms_norm", weights[4])]
-    assert set(chosen.linears.fusions) == {(kind, rows, *w.shape, dtype) for rows in (1, 4, 8) for kind, w in prologues}
 
     requests = []
     for i, length in enumerate([5, 40, 17]):
@@ -268,7 +247,6 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     logits = {}
     for name, step in (("graphed", lambda: graphs.step(inputs)),
                        ("gemv", lambda: forced.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)),
-                       ("fused", lambda: fused.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)),
                        ("cublas", lambda: cublas.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool))):
         pool.kv.copy_(kv_before)
         logits[name] = step().clone()
@@ -276,67 +254,3 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     tol = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float32 else {"atol": 3e-2 * scale, "rtol": 3e-2}
     torch.testing.assert_close(logits["graphed"], logits["cublas"], **tol)
     torch.testing.assert_close(logits["gemv"], logits["cublas"], **tol)
-    torch.testing.assert_close(logits["fused"], logits["cublas"], **tol)
-
-
-def two_layer_8b(device: str):
-    """Llama-3.1-8B's shapes, embedding to lm_head, with two layers: every matmul and prologue of
-    the real step at a tenth of the memory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from shared.model.presets import PRESETS
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(LlamaConfig(**{**PRESETS["llama-3.1-8b"], "num_hidden_layers": 2}),
-                                              dtype=torch.bfloat16)
-    return hf.eval()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_fused_decode_matches_unfused_at_8b_shapes():
-    """bf16 at Llama-3.1-8B's shapes, batches up to MAX_ROWS over random KV: the step with every
-    norm and SiLU*up fused into a GEMV, graphed and eager, against the step with none fused. The
-    fused graph replays the fused eager step bit for bit; the unfused step differs only by
-    accumulation order and gives the same greedy token wherever the top two logits are apart."""
-    from services.decode.batch import StepInputs
-    from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv_pool import allocate_local_pool, make_layout
-    from shared.model.llama import PagedLlama
-
-    model = PagedLlama.from_hf(two_layer_8b("cuda:0"), "cuda:0")
-    max_pages, page_size = 16, 16
-    layout = make_layout(model.num_layers, MAX_ROWS * max_pages + 1, page_size, model.num_kv_heads,
-                         model.head_dim, torch.bfloat16)
-    pool, _ = allocate_local_pool(layout, "cuda:0")
-    gen = torch.Generator("cuda:0").manual_seed(0)
-    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen, device="cuda:0"))
-    kv_before = pool.kv.clone()
-    fused, unfused = LinearChooser(fuse="on"), LinearChooser(fuse="off")
-    model.linears = fused
-    graphs = GraphedDecode(model, pool, layout.num_pages - 1, max_pages, [1, 3, 8, MAX_ROWS])
-    checked = 0
-    for batch in (1, 3, 8, MAX_ROWS):
-        pages = torch.randperm(layout.num_pages - 1, device="cuda:0")[: batch * max_pages]
-        inputs = StepInputs(token_ids=torch.randint(0, model.vocab_size, (batch,), device="cuda:0"),
-                            positions=torch.randint(page_size, max_pages * page_size, (batch,), device="cuda:0"),
-                            page_table=pages.view(batch, max_pages).int())
-        logits = {}
-        for name, linears, graphed in (("graphed", fused, True), ("fused", fused, False),
-                                       ("unfused", unfused, False)):
-            pool.kv.copy_(kv_before)
-            model.linears = linears
-            step = graphs.step(inputs) if graphed else model.decode(inputs.token_ids, inputs.positions,
-                                                                    inputs.page_table, pool)
-            logits[name] = step.clone()
-        assert torch.equal(logits["graphed"], logits["fused"])
-        # A few bf16 steps of the largest logit: the lm_head output is rounded to bf16.
-        atol = 3e-2 * logits["unfused"].abs().max().item()
-        torch.testing.assert_close(logits["fused"], logits["unfused"], atol=atol, rtol=3e-2)
-        # Greedy tokens match unless the top two are within about two bf16 steps of each other.
-        top2 = logits["unfused"].topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > atol / 3
-        assert torch.equal(logits["fused"].argmax(-1)[clear], logits["unfused"].argmax(-1)[clear])
-        checked += int(clear.sum())
-    assert checked >= 10, f"only {checked} of 28 rows had a clear greedy token"

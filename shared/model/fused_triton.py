@@ -4,7 +4,7 @@ A decode step is launch-bound: per layer the PyTorch forward in shared/model/lla
 small kernels on RMSNorm, the residual add, RoPE, the KV write and SiLU*up. Each function here
 replaces one such chain with one launch:
 
-    rms_norm(x, w, eps)              a norm with no residual to add         (~6 kernels -> 1)
+    rms_norm(x, w, eps)              the final / first norm                 (~6 kernels -> 1)
     add_rms_norm(x, res, w, eps)     residual add + the next layer's norm   (~7 kernels -> 1)
     rope_write_kv(qkv, ...)          split, RoPE on q and k, KV page write  (~20 kernels -> 1)
     silu_and_mul(gate_up)            chunk, SiLU, multiply                  (~3 kernels -> 1)

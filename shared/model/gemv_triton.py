@@ -15,15 +15,6 @@ sums and a second kernel adds them and rounds once. @triton.autotune picks the c
 (M, N, K), timing each with the L2 flushed, as the weights are in a decode step. The shapes never
 change between steps and nothing is read on the host, so a call can be captured in a CUDA graph
 once its shape has been tuned (shared/model/linear_choice.py makes sure it was).
-
-Two variants compute x's blocks on the fly from the decode step's previous tensors, saving the
-launch of the elementwise kernel that would have written x (each rounds as that kernel rounds):
-
-    silu_mul_gemv       x = silu(gate) * up from gate_up [M, 2K]      (fused_triton.silu_and_mul)
-    add_rms_norm_gemv   x = rms_norm(x + residual) * norm weight      (fused_triton.add_rms_norm)
-
-The norm needs each row's rms before its first block, so every program first reads the whole rows
-(K = 4096 is 8 KB a row at bf16, hot in L2), and program (0, 0) writes their sum, the new residual.
 """
 
 from __future__ import annotations
@@ -72,50 +63,11 @@ if triton is not None:
     ]
 
     @triton.jit
-    def _residual_sum(x_rows, res_rows, cols, mask):
-        # Rounded to the activation dtype, as fused_triton.add_rms_norm rounds `x + residual`.
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
-        res = tl.load(res_rows + cols[None, :], mask=mask, other=0.0)
-        return (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-
-    @triton.jit
-    def _rstd_of_sum(x_rows, res_rows, sum_rows, m_mask, is_writer, K, eps,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """1 / rms of each row of x + residual, [BLOCK_M, 1] in fp32, from a pass over the whole
-        rows (hot in L2: every program reads them). The writer program also stores the sum."""
-        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            mask = m_mask & (cols[None, :] < K)
-            summed = _residual_sum(x_rows, res_rows, cols, mask)
-            tl.store(sum_rows + cols[None, :], summed, mask=mask & is_writer)
-            h = summed.to(tl.float32)
-            squares += h * h
-        return (1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps))[:, None]
-
-    @triton.jit
-    def _normed_block(x_rows, res_rows, norm_ptr, cols, mask, rstd, K):
-        # As fused_triton.add_rms_norm: normalise in fp32, round, then multiply by the norm weight.
-        summed = _residual_sum(x_rows, res_rows, cols, mask)
-        normed = (summed.to(tl.float32) * rstd).to(summed.dtype).to(tl.float32)
-        weight = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return (normed * weight[None, :]).to(summed.dtype)
-
-    @triton.jit
-    def _silu_mul_block(gate_up_rows, cols, mask, K):
-        # As fused_triton.silu_and_mul: F.silu rounds to the dtype before the multiply by up.
-        gate = tl.load(gate_up_rows + cols[None, :], mask=mask, other=0.0)
-        up = tl.load(gate_up_rows + K + cols[None, :], mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        return (silu * up.to(tl.float32)).to(gate.dtype)
-
-    @triton.jit
     def _gemv_kernel(
-        x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, partial_ptr,
+        x_ptr, w_ptr, out_ptr, partial_ptr,
         M, N, K,
-        stride_xm, stride_rm, stride_sm, stride_wn, stride_om, eps,
-        DOT_PRECISION: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RMS_NORM: tl.constexpr,
+        stride_xm, stride_wn, stride_om,
+        DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
         split = tl.program_id(1)
@@ -129,15 +81,8 @@ if triton is not None:
         # int64 rows: N * K passes 2**31 for large vocabularies.
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
         x_rows = x_ptr + m[:, None] * stride_xm
-        res_rows = res_ptr + m[:, None] * stride_rm
         row_mask = rows[:, None] < N
         m_mask = m[:, None] < M
-        if ADD_RMS_NORM:
-            # Program (0, 0) writes the new residual; a per-row mask, as the interpreter rejects a
-            # scalar one.
-            is_writer = (tl.program_id(0) + split + 0 * m[:, None]) == 0
-            rstd = _rstd_of_sum(x_rows, res_rows, sum_ptr + m[:, None] * stride_sm, m_mask, is_writer, K, eps,
-                                BLOCK_M, BLOCK_K)
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
@@ -147,12 +92,7 @@ if triton is not None:
             col_mask = cols[None, :] < K
             # The weight is read once per step: keep it from evicting x and other hot lines in L2.
             w = tl.load(w_rows + cols[None, :], mask=row_mask & col_mask, other=0.0, eviction_policy="evict_first")
-            if SILU_MUL:
-                x = _silu_mul_block(x_rows, cols, m_mask & col_mask, K)
-            elif ADD_RMS_NORM:
-                x = _normed_block(x_rows, res_rows, norm_ptr, cols, m_mask & col_mask, rstd, K)
-            else:
-                x = tl.load(x_rows + cols[None, :], mask=m_mask & col_mask, other=0.0)
+            x = tl.load(x_rows + cols[None, :], mask=m_mask & col_mask, other=0.0)
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)
             else:
@@ -203,8 +143,7 @@ def _prune(configs, named_args, **_):
 
 if triton is not None:
     _gemv_tuned = triton.autotune(
-        configs=CONFIGS, key=["M", "N", "K", "SILU_MUL", "ADD_RMS_NORM"],
-        prune_configs_by={"early_config_prune": _prune},
+        configs=CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune},
         do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=_TUNE_WARMUP_MS, rep=_TUNE_REP_MS,
                                                                quantiles=quantiles),
     )(_gemv_kernel)
@@ -217,28 +156,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
             and x.dtype == weight.dtype and x.dtype in SUPPORTED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
-
-
-def supports_silu_mul(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether silu_mul_gemv takes these on the GPU: as supports, for gate_up [M, 2K] of weight [N, K]."""
-    return gate_up.dim() == 2 and gate_up.shape[1] == 2 * weight.shape[-1] and supports(_gate(gate_up), weight)
-
-
-def supports_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                          weight: torch.Tensor) -> bool:
-    """Whether add_rms_norm_gemv takes these on the GPU: as supports, with a residual and a norm
-    weight that match x."""
-    return supports(x, weight) and _norm_operands_match(x, residual, norm_weight)
-
-
-def _norm_operands_match(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    return (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
-            and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.stride(0) == 1
-            and residual.device == x.device == norm_weight.device)
-
-
-def _gate(gate_up: torch.Tensor) -> torch.Tensor:
-    return gate_up[:, : gate_up.shape[1] // 2]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -258,38 +175,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     config None: autotuned (CUDA only; the first call of a shape times every usable config, so it
     must not run inside CUDA-graph capture). A config from CONFIGS runs that config, as the tests do
     in the CPU interpreter."""
-    _check(x, weight)
-    return _launch(x, weight, config)
-
-
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
-    """F.linear(silu_and_mul(gate_up), weight) in one kernel: gate_up [M <= 16, 2K] holds gate then
-    up, weight [N, K]. The product is rounded as fused_triton.silu_and_mul rounds it; config as gemv."""
-    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
-        raise ValueError(f"gate_up {tuple(gate_up.shape)} is not [M, 2K] for weight {tuple(weight.shape)}")
-    _check(_gate(gate_up), weight)
-    return _launch(gate_up, weight, config, silu_mul=True)
-
-
-def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_triton.add_rms_norm then F.linear in one kernel: returns (F.linear(normed, weight),
-    summed) for x and residual [M <= 16, K], norm_weight [K], weight [N, K]; config as gemv."""
-    _check(x, weight)
-    if not _norm_operands_match(x, residual, norm_weight):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not match x {tuple(x.shape)} {x.dtype}")
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, config, residual=residual, norm_weight=norm_weight, summed=summed, eps=eps), summed
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, config, *, silu_mul: bool = False,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            summed: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """One GEMV over checked operands; x's blocks come from the prologue the arguments name."""
     if triton is None:
         raise ImportError("gemv needs triton (pip install triton)") from _TRITON_IMPORT_ERROR
-    rows, n, k = x.shape[0], *weight.shape
+    _check(x, weight)
+    rows, k = x.shape
+    n = weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -299,23 +189,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, config, *, silu_mul: bool = F
     max_split = max(c.kwargs["SPLIT_K"] for c in candidates)
     # Unused unless the chosen config splits K; out stands in for it otherwise.
     partial = torch.empty((max_split, rows, n), dtype=torch.float32, device=x.device) if max_split > 1 else out
-    add_rms_norm = residual is not None
-    # Without the add-norm prologue x stands in for its three tensors, which are never read.
-    res, norm, sums = (residual, norm_weight, summed) if add_rms_norm else (x, x, x)
-    args = (x, res, norm, sums, weight, out, partial, rows, n, k,
-            x.stride(0), res.stride(0), sums.stride(0), weight.stride(0), out.stride(0), eps)
+    args = (x, weight, out, partial, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
     # tf32 would round fp32 inputs to 10 mantissa bits; for 16-bit inputs the precision is moot.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    flags = {"DOT_PRECISION": precision, "SILU_MUL": silu_mul, "ADD_RMS_NORM": add_rms_norm}
 
     def grid(meta):
         return triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"]
 
     if config is None:
-        _gemv_tuned[grid](*args, **flags)
+        _gemv_tuned[grid](*args, DOT_PRECISION=precision)
         config = _gemv_tuned.best_config  # the config this very launch ran
     else:
-        _gemv_kernel[grid](*args, **flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        _gemv_kernel[grid](*args, DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
+                           num_stages=config.num_stages)
     split_k = config.kwargs["SPLIT_K"]
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),

@@ -1,5 +1,4 @@
-"""Per matmul shape of the decode step: cuBLAS or the Triton GEMV, whichever reads the weight faster;
-and whether the elementwise kernel before a matmul is better fused into the GEMV's prologue.
+"""Per matmul shape of the decode step: cuBLAS or the Triton GEMV, whichever reads the weight faster.
 
 Which one wins depends on the GPU, the shape and the batch size, so rather than guess, the first
 call with a new (rows, N, K, dtype) times both on the GPU and keeps the winner for the life of the
@@ -11,11 +10,6 @@ other layer's weights pass through L2 between two reads of this one).
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
 the warm-up steps of services/decode/cuda_graphs.py make every choice (and the GEMV's autotuning)
 before it captures. A shape first seen during a capture takes cuBLAS.
-
-Fusion is chosen the same way, like with like: the fused GEMV against the elementwise kernel
-followed by the matmul as apply() runs it (itself the faster of cuBLAS and the GEMV). It saves a
-launch but makes every GEMV program redo the elementwise work for its block of x (and, for the
-norm, read the whole rows once more for their rms), so which is faster depends on the shape.
 """
 
 from __future__ import annotations
@@ -28,12 +22,11 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from shared.model import fused_triton, gemv_triton
+from shared.model import gemv_triton
 
 log = structlog.get_logger()
 
 MODES = ("auto", "cublas", "gemv")
-FUSE_MODES = ("auto", "on", "off")
 # The GEMV is chosen only when at least this much faster than cuBLAS.
 _MIN_GAIN = 0.03
 # The weight copies a timing rotates over add up to this many L2 caches.
@@ -54,35 +47,18 @@ class Choice:
     use_gemv: bool
 
 
-@dataclass(frozen=True)
-class FusionChoice:
-    kind: str  # the prologue: "silu_mul" or "add_rms_norm"
-    rows: int
-    n: int
-    k: int
-    dtype: str
-    unfused_ms: float
-    fused_ms: float
-    fuse: bool
-
-
 class LinearChooser:
     """F.linear(x, weight, bias) through cuBLAS or gemv_triton.gemv, chosen per shape.
 
     mode "auto" times both once per shape; "cublas" and "gemv" force one (tests, benchmarks).
     A bias, the CPU and batches above gemv_triton.MAX_ROWS always take F.linear (cuBLAS adds the
-    bias in its epilogue before rounding, which the GEMV does not reproduce).
-    fuse "auto" times the fused prologues once per shape; "on" and "off" force them where the GEMV
-    takes the operands. Mode "cublas" never fuses: the fused kernels are GEMVs."""
+    bias in its epilogue before rounding, which the GEMV does not reproduce)."""
 
-    def __init__(self, mode: str = "auto", fuse: str = "auto"):
+    def __init__(self, mode: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"linear mode must be one of {MODES}, got {mode!r}")
-        if fuse not in FUSE_MODES:
-            raise ValueError(f"fuse mode must be one of {FUSE_MODES}, got {fuse!r}")
-        self.mode, self.fuse = mode, fuse
+        self.mode = mode
         self.choices: dict[tuple, Choice] = {}
-        self.fusions: dict[tuple, FusionChoice] = {}
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
@@ -90,54 +66,6 @@ class LinearChooser:
         if self.mode == "gemv" or self._use_gemv(x, weight):
             return gemv_triton.gemv(x, weight)
         return F.linear(x, weight)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """F.linear(silu_and_mul(gate_up), weight), gate_up [M, 2K] holding gate then up."""
-        def fused(w):
-            return gemv_triton.silu_mul_gemv(gate_up, w)
-
-        def unfused(w):
-            return self.apply(fused_triton.silu_and_mul(gate_up), w)
-
-        supported = gemv_triton.supports_silu_mul(gate_up, weight)
-        if self._use_fused("silu_mul", supported, gate_up, weight, fused, unfused):
-            return fused(weight)
-        return unfused(weight)
-
-    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """(F.linear(normed, weight, bias), summed) where normed, summed = add_rms_norm(x, residual, ...)."""
-        def fused(w):
-            return gemv_triton.add_rms_norm_gemv(x, residual, norm_weight, eps, w)
-
-        def unfused(w):
-            normed, summed = fused_triton.add_rms_norm(x, residual, norm_weight, eps)
-            return self.apply(normed, w, bias), summed
-
-        supported = bias is None and gemv_triton.supports_add_rms_norm(x, residual, norm_weight, weight)
-        if self._use_fused("add_rms_norm", supported, x, weight, fused, unfused):
-            return fused(weight)
-        return unfused(weight)
-
-    def _use_fused(self, kind: str, supported: bool, x: torch.Tensor, weight: torch.Tensor,
-                   fused: Callable, unfused: Callable) -> bool:
-        if not supported or self.fuse == "off" or self.mode == "cublas":
-            return False
-        if self.fuse == "on":
-            return True
-        key = (kind, x.shape[0], *weight.shape, weight.dtype)
-        choice = self.fusions.get(key)
-        if choice is None:
-            if torch.cuda.is_current_stream_capturing():
-                log.warning("fusion first seen in a CUDA graph capture, not fusing", kind=kind, rows=x.shape[0],
-                            n=weight.shape[0], k=weight.shape[1])
-                return False
-            unfused_ms, fused_ms = time_per_call_ms(unfused, weight), time_per_call_ms(fused, weight)
-            choice = self.fusions[key] = FusionChoice(kind, x.shape[0], *weight.shape, str(weight.dtype), unfused_ms,
-                                                      fused_ms, fuse=fused_ms < (1 - _MIN_GAIN) * unfused_ms)
-            log.info("fusion chosen", kind=kind, rows=choice.rows, n=choice.n, k=choice.k,
-                     unfused_us=round(unfused_ms * 1e3, 1), fused_us=round(fused_ms * 1e3, 1), fused=choice.fuse)
-        return choice.fuse
 
     def _use_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         key = (x.shape[0], *weight.shape, weight.dtype)
@@ -160,7 +88,7 @@ class LinearChooser:
         return choice
 
 
-def time_per_call_ms(fn: Callable[[torch.Tensor], object], weight: torch.Tensor) -> float:
+def time_per_call_ms(fn: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> float:
     """Median milliseconds of one fn(weight) as a decode step sees it: back to back in a CUDA graph,
     the weight cold in L2. Must run outside any capture."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size

@@ -102,7 +102,7 @@ class PagedLlama:
         self.weights = weights
         self.embed, self.final_norm, self.lm_head = weights.embed, weights.final_norm, weights.lm_head
         self.cos, self.sin, self.layers = weights.cos, weights.sin, weights.layers
-        self.linears = LinearChooser()  # the fused decode's matmuls and their prologues, chosen per shape
+        self.linears = LinearChooser()  # the fused decode's matmuls: cuBLAS or the Triton GEMV, per shape
 
     @classmethod
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
@@ -196,26 +196,25 @@ class PagedLlama:
 
     def _decode_fused(self, token_ids, positions, page_table, pool, pages, offsets, seq_lens) -> torch.Tensor:
         """The same step with its elementwise chains fused into Triton kernels (RMSNorm with the
-        residual add, RoPE with the KV write, SiLU with the gate product): a handful of kernels a
-        layer instead of about thirty-five, which is most of a small batch's step time. The matmuls
-        go through self.linears, which reads each weight with cuBLAS or the Triton GEMV, whichever
-        was faster for the shape, and folds the norms and the SiLU product into the GEMV where that
-        is faster still."""
+        residual add, RoPE with the KV write, SiLU with the gate product): ten kernels a layer
+        instead of about thirty-five, which is most of a small batch's step time. The matmuls go
+        through self.linears, which reads each weight with cuBLAS or the Triton GEMV, whichever
+        was faster for the shape."""
         batch = len(token_ids)
         residual = self.embed[token_ids]
-        delta = torch.zeros_like(residual)  # what each block adds to the residual; nothing before layer 0
+        hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for i, layer in enumerate(self.layers):
-            qkv, residual = self.linears.add_rms_norm_linear(delta, residual, layer.input_norm, self.eps, layer.qkv,
-                                                             layer.qkv_bias)
+            qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias)
             q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(i), pool.value(i), pages,
                                            offsets, self.num_heads, self.num_kv_heads, self.head_dim)
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale)
             attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj)
-            gate_up, residual = self.linears.add_rms_norm_linear(attn, residual, layer.post_norm, self.eps,
-                                                                 layer.gate_up)
-            delta = self.linears.silu_mul_linear(gate_up, layer.down)
-        logits, _ = self.linears.add_rms_norm_linear(delta, residual, self.final_norm, self.eps, self.lm_head)
-        return logits.float()
+            hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
+            gate_up = self.linears.apply(hidden, layer.gate_up)
+            mlp = self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down)
+            hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
+        return self.linears.apply(hidden, self.lm_head).float()
 
 
 def load_paged_llama(checkpoint: Path | str, dtype: str, device: str) -> PagedLlama:
