@@ -97,7 +97,8 @@ def time_per_call_ms(fn: Callable[[torch.Tensor], torch.Tensor], weight: torch.T
     calls = len(copies) * math.ceil(_MIN_CALLS / len(copies))
     fn(weight)  # compiles, autotunes and sets up cuBLAS, none of which may happen in a capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: in the colocated process the prefill thread may be using the device meanwhile.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             fn(copies[i % len(copies)])
     graph.replay()  # the first replay also uploads the graph
