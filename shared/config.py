@@ -120,6 +120,7 @@ class PrefillConfig:
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
     chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # Unused by services.colocated, whose one endpoint is decode.metrics_address.
     metrics_address: str = _metrics_address("127.0.0.1:9401")
 
 
@@ -137,6 +138,8 @@ class DecodeConfig:
     cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(
         lambda v: all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")) if v else True,
         "must be a comma-separated list of positive batch sizes"))
+    # Also services.colocated's one endpoint: Prometheus' registry is per process, so a second
+    # endpoint for its prefill would serve the same series again.
     metrics_address: str = _metrics_address("127.0.0.1:9402")
 
     def graph_batch_sizes(self) -> list[int]:
@@ -180,6 +183,9 @@ class Config:
     def validate_service(self, service: str) -> None:
         """The key, certificate and token files that service reads: a bad one stops it at start."""
         router, worker = self.router, self.worker
+        if service == "colocated" and self.decode.weights_from:
+            raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
+                              "decode share one model already")
         endpoint = router.zmq_endpoint()
         curve = endpoint.startswith("tcp://")
         if curve and not zmq.has("curve"):

@@ -9,6 +9,11 @@ the memory and must outlive every mapping of it; a mapping never frees it.
   once; a decode opens it once at registration (the first open also creates the CUDA context)
   and keeps it. PyTorch's IPC reference counter keeps the block out of the exporter's cache
   while any peer holds it; a peer that dies drops its mapping with its context.
+- The same process (services/colocated runs the prefill and decode in one): `map_pool` hands back
+  the exporter's own pool. CUDA cannot open an IPC handle in the process that exported it, and a
+  second attachment of our own segment would unregister it from the resource tracker. Such a
+  mapping holds the pool's tensors, so closing the export while it is still used frees nothing
+  under it (on the CPU the segment is unlinked, and unmapped when the process exits).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class SharedMemoryExport:
         self.handle = KvPoolHandle("shm", self._shm.name.encode(), layout)
 
     def close(self) -> None:
+        _exported_here.pop(self.handle.locator, None)
         _release_shm(self, unlink=True)
 
 
@@ -80,6 +86,7 @@ class CudaIpcExport:
         self.handle = KvPoolHandle("cuda_ipc", msgpack.packb([*shared, offset], use_bin_type=True), layout)
 
     def close(self) -> None:
+        _exported_here.pop(self.handle.locator, None)
         self.pool = None
         self._buffer = None
 
@@ -102,13 +109,32 @@ class CudaIpcMapping:
         gc.collect()  # drops the storage, which closes the IPC mapping
 
 
+class SameProcessMapping:
+    """A pool this process exports itself, mapped without IPC: the exporter's own pool."""
+
+    def __init__(self, exported: SharedMemoryExport | CudaIpcExport):
+        self.pool = exported.pool
+
+    def close(self) -> None:
+        self.pool = None
+
+
+# This process's open exports by locator (unique: a segment name with our pid, or an IPC handle).
+_exported_here: dict[bytes, SharedMemoryExport | CudaIpcExport] = {}
+
+
 def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str):
     device = torch.device(device)
-    return CudaIpcExport(layout, device) if device.type == "cuda" else SharedMemoryExport(layout, name_hint)
+    exported = CudaIpcExport(layout, device) if device.type == "cuda" else SharedMemoryExport(layout, name_hint)
+    _exported_here[exported.handle.locator] = exported
+    return exported
 
 
 def map_pool(handle: KvPoolHandle, device: torch.device | str):
     device = torch.device(device)
+    exported = _exported_here.get(handle.locator)
+    if exported is not None and exported.handle == handle:
+        return SameProcessMapping(exported)
     if handle.backend == "shm":
         return SharedMemoryMapping(handle)
     if handle.backend == "cuda_ipc" and device.type == "cuda":

@@ -22,8 +22,10 @@ def configure_logging(service: str, worker_id: str, fmt: str = "auto", level: st
 
     structlog.configure(
         processors=[
-            add_identity,  # a processor, not contextvars: threads start with an empty context
+            # A thread's own identity first (the colocated process binds each worker's in its
+            # thread), then the process's: a processor, as threads start with an empty context.
             structlog.contextvars.merge_contextvars,
+            add_identity,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info if use_json else structlog.dev.set_exc_info,

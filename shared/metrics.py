@@ -144,11 +144,17 @@ def forget_pages(worker_id: str, role: Role) -> None:
         gauge.remove(worker_id, role)
 
 
+_worker_heartbeats: list[Callable[[], Heartbeat]] = []  # services.colocated runs two workers
+
+
 @_never_raises
 def watch_worker(role: Role, total_pages: int, heartbeat: Callable[[], Heartbeat]) -> None:
-    """A worker's own gauges, read from its heartbeat: the same numbers the router is told."""
+    """A worker's own gauges, read from its heartbeat: the same numbers the router is told. The
+    unlabelled load gauges add up every worker of this process."""
     watch_pages(heartbeat().worker_id, role, total_pages, lambda: heartbeat().free_pages)
-    watch_load(lambda: heartbeat().running, lambda: heartbeat().waiting)
+    _worker_heartbeats.append(heartbeat)
+    watch_load(lambda: sum(h().running for h in _worker_heartbeats),
+               lambda: sum(h().waiting for h in _worker_heartbeats))
 
 
 class RequestTimer:

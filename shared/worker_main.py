@@ -1,6 +1,7 @@
 """What every worker process does around its own loop: config, logging, pinning, model, link.
 
-The prefill and decode `__main__` modules differ only in the worker class they run.
+The prefill and decode `__main__` modules differ only in the worker class they run; the
+colocated one (both workers in one process) reuses `load_model`.
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ def start_worker(service: str) -> Worker:
     configure_logging(service, section.worker_id, config.log.format, config.log.level)
     stopping = stop_event_on_signals()
     cores = pin_to_cores(section.cpu_cores, "lower" if service == "prefill" else "upper")
+    model, finish = load_model(config, getattr(section, "weights_from", ""))
+    log.info("model ready", cores=cores)
+    return Worker(config, model, finish, stopping, SystemdNotify())
+
+
+def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck]:
+    """The model, loaded from its checkpoint or mapped from the weights prefill `weights_from`
+    publishes, and the check that ends its requests."""
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
-    weights_from = getattr(section, "weights_from", "")
     if weights_from:
         path = weights_file(config.router.runtime_dir, weights_from)
         model, owner_pid = map_weights(hf_config, path, config.model.device, WEIGHTS_WAIT_S)
         log.info("mapped shared weights", prefill=weights_from, owner_pid=owner_pid)
     else:
         model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
-    finish = FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context)
-    log.info("model ready", checkpoint=str(checkpoint), cores=cores, layers=model.num_layers)
-    return Worker(config, model, finish, stopping, SystemdNotify())
+    log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers)
+    return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context)
 
 
 def exit_on_error(main) -> None:

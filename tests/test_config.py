@@ -158,3 +158,10 @@ def test_example_file_loads():
         pytest.skip("deploy/pdserve.toml is not written yet")
     config = load_config(parse("--config", str(example)), environ={})
     config.validate()
+
+
+def test_colocated_refuses_mapping_weights_it_already_shares():
+    config = load_config(parse(), environ={"PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0"})
+    config.validate_service("decode")
+    with pytest.raises(ConfigError, match="decode.weights_from"):
+        config.validate_service("colocated")

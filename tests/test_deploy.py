@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config
+from shared.config import Config, parse_cores
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNITS = sorted(p.name for p in UNIT_DIR.iterdir() if p.suffix in (".service", ".target"))
-PDSERVE_SERVICES = ["pdserve-router.service", "pdserve-prefill@.service", "pdserve-decode@.service"]
+PDSERVE_SERVICES = ["pdserve-router.service", "pdserve-prefill@.service", "pdserve-decode@.service",
+                    "pdserve-colocated@.service"]
 WORKERS = {"prefill": "pdserve-prefill@.service", "decode": "pdserve-decode@.service"}
 SERVICES = [name for name in UNITS if name.endswith(".service")]
 HOST_UNIT_DIRS = (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
@@ -163,6 +164,16 @@ def test_workers_are_instances_with_gpu_access_after_the_router(role):
 def test_decode_affinity_matches_the_cores_it_pins_to():
     name = WORKERS["decode"]
     assert directives(name)["Service.CPUAffinity"] == [environment(name)["PDSERVE_DECODE_CPU_CORES"]]
+
+
+def test_colocated_runs_its_instances_two_workers_on_disjoint_cores_of_its_affinity():
+    name = "pdserve-colocated@.service"
+    unit, env = directives(name), environment(name)
+    assert (env["PDSERVE_PREFILL_WORKER_ID"], env["PDSERVE_DECODE_WORKER_ID"]) == ("prefill-%i", "decode-%i")
+    assert sorted(unit["Unit.Conflicts"][0].split()) == ["pdserve-decode@%i.service", "pdserve-prefill@%i.service"]
+    prefill, decode = (set(parse_cores(env[f"PDSERVE_{role}_CPU_CORES"])) for role in ("PREFILL", "DECODE"))
+    assert prefill | decode <= set(parse_cores(unit["Service.CPUAffinity"][0])) and not prefill & decode
+    assert {"char-nvidia rw", "char-nvidiactl rw", "char-nvidia-uvm rw"} <= set(unit["Service.DeviceAllow"])
 
 
 def test_target_wants_the_router_and_instance_0_of_each_worker():

@@ -30,7 +30,9 @@ log = structlog.get_logger()
 
 
 class PrefillWorker:
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, colocated: bool = False):
+        """colocated: a decode runs in this process on the same model (services/colocated), so no
+        other process maps the weights, and the decode's metrics endpoint serves this process."""
         config, model = worker.config, worker.model
         self.worker_id = config.prefill.worker_id
         self.model = model
@@ -48,13 +50,14 @@ class PrefillWorker:
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
                                self._heartbeat, config.worker)
         self.weights_path = None
-        if model.device.type == "cuda":  # a decode on this GPU may map them (decode.weights_from)
+        if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             self.weights_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             publish_weights(model, self.weights_path)
         self.handlers = {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort}
         metrics.watch_worker(Role.PREFILL, self.allocator.num_pages, self._heartbeat)
-        metrics.serve(config.prefill.metrics_address, metrics.WORKER)
+        if not colocated:
+            metrics.serve(config.prefill.metrics_address, metrics.WORKER)
 
     def _registration(self) -> Register:
         return Register(self.worker_id, Role.PREFILL, os.getpid(), self.allocator.num_pages,
