@@ -173,8 +173,10 @@ class DecodeTask:
 class KvPulled:
     request_id: str
     prefill_worker_id: str
-    pull_s: float  # time to copy the pages into the decode's pool
-    pulled_at: float  # wall clock (time.time) when the pages were in the decode's pool: ends the handoff
+    pull_s: float  # from the decode starting the copy to the pages in its pool
+    # Wall clock (time.time) when the pages were in the decode's pool: ends the handoff. On a GPU
+    # it may come after the request's first step began: that step waits for the copy on the device.
+    pulled_at: float
 
 
 @dataclass(frozen=True)

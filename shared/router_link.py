@@ -5,11 +5,18 @@ is inside a long forward pass. The main thread reads decoded messages from a que
 through an inproc socket that the I/O thread forwards. A frame that does not decode is logged
 and dropped; the worker keeps running. If the router restarts it answers our heartbeat with
 Reregister and we register again, without a restart of the worker.
+
+The I/O thread needs the GIL for a moment per message. A main thread that keeps taking it back
+(a step drops it around each kernel launch and retakes it before a waiting thread wakes) makes
+the I/O thread wait out the whole switch interval, 5 ms by default: more than a whole KV
+handoff, on each of the prefill's send and the decode's receive. start() shortens it for the
+process.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from typing import Callable
@@ -23,6 +30,8 @@ from shared.messages import Deregister, Heartbeat, Register, Registered, Reregis
 from shared.zmq_security import secure_client
 
 log = structlog.get_logger()
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class RouterLink:
@@ -45,6 +54,7 @@ class RouterLink:
         self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)
 
     def start(self) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread.start()
 
     def send(self, message: object) -> None:
@@ -80,6 +90,7 @@ class RouterLink:
         self._context.term()
 
     def _run(self) -> None:
+        structlog.contextvars.bind_contextvars(worker_id=self._worker_id)  # one of two in services.colocated
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self._worker_id.encode())
         dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)

@@ -64,6 +64,64 @@ def _pool_message(handle):
     return PoolAvailable("prefill-test", handle)
 
 
+def test_pull_lands_only_after_the_device_copied_it(tmp_path):
+    """A decode's pulls queued behind 0.2 s of other device work: landed() reports none before the
+    copies ran, then dates each after the stall, not at its launch. The third pull wraps the
+    page-id staging buffer while the uploads from it still wait; unmapping the pool waits for the
+    copies still reading it."""
+    from shared import wire
+    from shared.kv_share import export_pool
+
+    layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
+    exported = export_pool(layout, "pull-test", "cuda:0")
+    exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape, device="cuda", dtype=torch.bfloat16))
+    expected = [exported.pool.kv[:, list(pages)].view(torch.int16).double().sum().item()
+                for pages in (range(100, 228), range(380, 508))]
+    torch.cuda.synchronize()
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    child = textwrap.dedent(f"""
+        import time, torch
+        from pathlib import Path
+        from services.decode.handoff import KvPuller
+        from shared import wire
+        from shared.kv_pool import allocate_local_pool, make_layout
+        from shared.messages import DecodeTask, SamplingParams, StopParams
+        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
+        shape = handle.layout
+        local, _ = allocate_local_pool(make_layout(shape.num_layers, 256, shape.page_size, shape.num_kv_heads,
+                                                   shape.head_dim, torch.bfloat16), "cuda:0")
+        puller = KvPuller(local)  # stages up to 2 x 256 page ids
+        puller.map_pool("prefill-test", handle)
+
+        def pull(request_id, src, dst):
+            task = DecodeTask(request_id, "prefill-test", list(src), 16 * len(src), 7, SamplingParams(0, 1, 0, 0),
+                              StopParams(4, True))
+            puller.pull(task, list(dst))
+
+        pull("warm-up", [0], [0])  # compiles the kernel before the clock starts
+        torch.cuda.synchronize()
+        assert [p.request_id for p in puller.landed()] == ["warm-up"]
+        torch.cuda._sleep(400_000_000)  # at least 0.2 s at any clock up to 2 GHz
+        started = time.time()
+        pull("a", range(100, 228), range(0, 128))
+        pull("b", range(300, 364), range(128, 192))
+        assert puller.copying and puller.landed() == [], "reported before the device copied"
+        pull("c", range(380, 508), range(128, 256))  # its ids overwrite a's slice: a's upload must be done
+        puller.unmap_pool("prefill-test")
+        landed = puller.landed()
+        seen = time.time()
+        assert [p.request_id for p in landed] == ["a", "b", "c"], landed
+        assert all(started + 0.1 < p.landed_at <= seen for p in landed), (started, seen, landed)
+        assert landed[0].landed_at <= landed[1].landed_at <= landed[2].landed_at
+        print(*[local.kv[:, list(pages)].view(torch.int16).double().sum().item()
+                for pages in (range(0, 128), range(128, 256))])
+    """)
+    out = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert [float(v) for v in out.stdout.split()[-2:]] == expected
+    exported.close()
+
+
 def test_decode_stream_has_the_highest_priority():
     from shared.device import worker_stream
 

@@ -3,11 +3,18 @@
 Each prefill pool is mapped once, when the router announces it (PoolAvailable), and kept
 until the prefill goes away (PoolGone) or is replaced by a new incarnation. Per request the
 listed pages are copied for all layers at once (PagedKvPool.copy_pages_from).
+
+pull() only starts the copy. On a GPU the request may join the next decode step at once: the
+step runs on the same stream, so the device runs it after the copy, and the host prepares the
+step instead of waiting for the copy first. The prefill may reuse its pages as soon as it hears
+KvPulled, so that waits for landed(), which reports a copy only once the device has finished
+it. On the CPU the copy is done when pull() returns.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -23,10 +30,78 @@ class HandoffError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Landed:
+    """A pull whose pages are in the decode's pool: what KvPulled tells the router."""
+    request_id: str
+    prefill_worker_id: str
+    pull_s: float     # pull() to the pages in the pool
+    landed_at: float  # wall clock (time.time) when the pages were in the pool
+
+
+@dataclass(frozen=True)
+class _Copying:
+    request_id: str
+    prefill_worker_id: str
+    started_at: float
+    done: torch.cuda.Event  # recorded behind the copy, with timing
+
+
+class PageIdStaging:
+    """The two page-id lists of a pull in one reused buffer, sent to a GPU in one asynchronous
+    copy from pinned memory.
+
+    torch.tensor(list, device="cuda") converts id by id (0.3 ms for 2,048 ids, on cores 2.5 times
+    faster than the H200 host's) and copies from pageable memory, which waits for the stream, and
+    so for every copy queued on it; numpy fills a view of the buffer ten times faster. Pulls take consecutive slices; only a full
+    buffer makes the host wait, for the last upload from it (uploads run in stream order, so then
+    all are done). The device's slices are rewritten in stream order too, after the copies that
+    read them.
+    """
+
+    def __init__(self, capacity: int, device: torch.device):
+        on_gpu = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=on_gpu)
+        self.ids = self.host.numpy()
+        self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if on_gpu else self.host
+        self.uploaded = torch.cuda.Event() if on_gpu else None
+        self.used = 0
+
+    def stage(self, src: list[int], dst: list[int], src_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both lists as index tensors on the device; ValueError (or OverflowError) unless every
+        src id is in [0, src_limit)."""
+        n = len(src)
+        if len(dst) != n or 2 * n > len(self.ids):
+            raise ValueError(f"{n} source and {len(dst)} destination pages do not fit a buffer of {len(self.ids)}")
+        if self.used + 2 * n > len(self.ids):
+            if self.uploaded is not None:
+                self.uploaded.synchronize()
+            self.used = 0
+        start, self.used = self.used, self.used + 2 * n
+        ids = self.ids[start: self.used]
+        ids[:n], ids[n:] = src, dst
+        if n and (ids[:n].min() < 0 or ids[:n].max() >= src_limit):
+            raise ValueError(f"source page ids outside [0, {src_limit})")
+        staged = self.on_device[start: self.used]
+        if self.uploaded is not None:
+            staged.copy_(self.host[start: self.used], non_blocking=True)
+            self.uploaded.record()
+        return staged[:n], staged[n:]
+
+
 class KvPuller:
     def __init__(self, local: PagedKvPool):
         self.local = local
         self.mapped: dict[str, tuple[KvPoolHandle, object]] = {}
+        # A pull's destination pages are ours, so the pool's page count bounds every list.
+        self.staging = PageIdStaging(2 * local.layout.num_pages, local.kv.device)
+        self._copying: list[_Copying] = []
+        self._landed: list[Landed] = []
+
+    @property
+    def copying(self) -> bool:
+        """Some copy has not been reported by landed() yet."""
+        return bool(self._copying)
 
     def map_pool(self, prefill_worker_id: str, handle: KvPoolHandle) -> None:
         current = self.mapped.get(prefill_worker_id)
@@ -43,24 +118,57 @@ class KvPuller:
     def unmap_pool(self, prefill_worker_id: str) -> None:
         entry = self.mapped.pop(prefill_worker_id, None)
         if entry is not None:
+            if self._copying:  # a copy may still read the mapping
+                self._copying[-1].done.synchronize()
             entry[1].close()
 
-    def pull(self, task: DecodeTask, local_pages: list[int]) -> float:
-        """Copies the task's prompt pages into local_pages; returns the seconds it took."""
+    def pull(self, task: DecodeTask, local_pages: list[int]) -> None:
+        """Starts copying the task's prompt pages into local_pages; landed() says when they are there."""
         entry = self.mapped.get(task.prefill_worker_id)
         if entry is None:
             raise HandoffError(f"no mapped pool for prefill {task.prefill_worker_id}")
         count = pages_for(task.num_tokens, self.local.layout.page_size)
-        if len(task.src_page_ids) < count or any(not 0 <= p < entry[0].layout.num_pages for p in task.src_page_ids):
-            raise HandoffError("page ids do not fit the prefill pool")
-        started = time.perf_counter()
-        device = self.local.kv.device
-        self.local.copy_pages_from(entry[1].pool, torch.tensor(task.src_page_ids[:count], device=device),
-                                   torch.tensor(local_pages[:count], device=device))
-        if device.type == "cuda":  # the prefill may reuse its pages as soon as we acknowledge
-            torch.cuda.current_stream(device).synchronize()
-        return time.perf_counter() - started
+        if len(task.src_page_ids) < count:
+            raise HandoffError(f"{len(task.src_page_ids)} page ids for a prompt of {count} pages")
+        started_at = time.time()
+        try:
+            src, dst = self.staging.stage(task.src_page_ids[:count], local_pages[:count], entry[0].layout.num_pages)
+        except (ValueError, OverflowError) as exc:
+            raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
+        self.local.copy_pages_from(entry[1].pool, src, dst)
+        if src.is_cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._copying.append(_Copying(task.request_id, task.prefill_worker_id, started_at, done))
+        else:
+            landed_at = time.time()
+            self._landed.append(Landed(task.request_id, task.prefill_worker_id, landed_at - started_at, landed_at))
+
+    def landed(self) -> list[Landed]:
+        """Every pull whose pages are in the pool, each reported once; never waits for a copy.
+        Dates are tightest when the stream has nothing else queued (after a step's tokens)."""
+        if self._copying and self._copying[-1].done.query():  # stream order: the last done, all done
+            self._landed += _dated(self._copying)
+            self._copying = []
+        landed, self._landed = self._landed, []
+        return landed
 
     def close(self) -> None:
         for prefill_worker_id in list(self.mapped):
             self.unmap_pool(prefill_worker_id)
+
+
+def _dated(copies: list[_Copying]) -> list[Landed]:
+    """When each finished copy landed. The host sees a copy's end only when it asks, maybe a
+    whole step later, so it asks the device: a timed probe runs after the copies; the clock is
+    read once the probe has run, and each copy's device time before the probe is subtracted.
+    That is never earlier than the copy's true end, and later only by the probe's wake-up."""
+    probe = torch.cuda.Event(enable_timing=True)
+    probe.record()
+    probe.synchronize()
+    now = time.time()
+    out = []
+    for copy in copies:
+        landed_at = now - copy.done.elapsed_time(probe) / 1e3
+        out.append(Landed(copy.request_id, copy.prefill_worker_id, landed_at - copy.started_at, landed_at))
+    return out

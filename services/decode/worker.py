@@ -3,11 +3,12 @@
 Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
   (they were reserved by the router before the prefill started, so they are free)
-  -> the prompt's pages are copied from the prefill's mapped pool -> KvPulled is sent (the
-  prefill may now free its copy) -> the request joins the running batch at the next step
-  boundary -> each step emits one token per running request (TokenBatch) -> it leaves the
-  batch on EOS, max_tokens, the model's context, or an Abort from the router, and its pages
-  are freed at once.
+  -> the copy of the prompt's pages from the prefill's mapped pool starts, and the request
+  joins the running batch at the next step boundary (on a GPU that step waits for the copy on
+  the stream, not on the host) -> once the copy has landed, KvPulled is sent (the prefill may
+  now free its pages), ahead of the step's tokens -> each step emits one token per running
+  request (TokenBatch) -> it leaves the batch on EOS, max_tokens, the model's context, or an
+  Abort from the router, and its pages are freed at once.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class DecodeWorker:
     def _loop(self) -> None:
         while not self.stopping.is_set():
             self.notify.watchdog()
-            self.link.dispatch(self.handlers, timeout_s=0 if self.running else 0.1)
+            self.link.dispatch(self.handlers, timeout_s=0 if self.running or self.puller.copying else 0.1)
+            self._acknowledge_pulls()
             while self.waiting and len(self.running) < self.max_batch_size:
                 self.running.append(self.waiting.popleft())
             if self.running:
@@ -139,14 +141,18 @@ class DecodeWorker:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return
         try:
-            pull_s = self.puller.pull(task, pages)
+            self.puller.pull(task, pages)
         except HandoffError as exc:
             self.allocator.free(pages)
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
-        self.link.send(KvPulled(task.request_id, task.prefill_worker_id, pull_s, time.time()))
         self.waiting.append(DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1,
                                             task.sampling, task.stop))
+
+    def _acknowledge_pulls(self) -> None:
+        """KvPulled for each copy that has landed: only then may the prefill reuse its pages."""
+        for pulled in self.puller.landed():
+            self.link.send(KvPulled(pulled.request_id, pulled.prefill_worker_id, pulled.pull_s, pulled.landed_at))
 
     def _on_abort(self, message: Abort) -> None:
         for group in (self.running, self.waiting):
@@ -161,6 +167,7 @@ class DecodeWorker:
         if logits is None:
             logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
         tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
+        self._acknowledge_pulls()  # sample waited for the step, so for the copies before it: KvPulled goes first
         out, still_running = [], []
         for request, token in zip(self.running, tokens):
             request.kv_len += 1

@@ -1,0 +1,75 @@
+"""services/decode/handoff.py on the CPU: a decode's pull from a prefill's shared-memory pool.
+The GPU's asynchronous copy and its dating are in tests/test_gpu.py."""
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.decode.handoff import HandoffError, KvPuller
+from shared.kv_pool import allocate_local_pool, make_layout
+from shared.kv_share import export_pool
+from shared.messages import DecodeTask, SamplingParams, StopParams
+
+PAGE_SIZE = 4
+SPEC = dict(num_layers=2, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+@pytest.fixture
+def prefill():
+    exported = export_pool(make_layout(num_pages=10, **SPEC), f"test-{uuid.uuid4().hex[:8]}", "cpu")
+    exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape))
+    yield exported
+    exported.close()
+
+
+@pytest.fixture
+def puller(prefill):
+    local, buffer = allocate_local_pool(make_layout(num_pages=6, **SPEC), "cpu")
+    local.kv.fill_(-7.0)
+    puller = KvPuller(local)
+    puller.map_pool("prefill-0", prefill.handle)
+    yield puller
+    puller.close()
+    del buffer
+
+
+def task(src_pages: list[int], num_tokens: int, request_id: str = "r1") -> DecodeTask:
+    return DecodeTask(request_id, "prefill-0", src_pages, num_tokens, 7, SamplingParams(0, 1, 0, 0), StopParams(4, True))
+
+
+def test_pull_copies_the_prompt_pages_and_lands_once(prefill, puller):
+    started = time.time()
+    puller.pull(task([9, 2, 5, 0], num_tokens=3 * PAGE_SIZE - 1), [4, 0, 3, 1])  # the prompt fills 3 pages
+    [landed] = puller.landed()
+    assert landed.request_id == "r1" and landed.prefill_worker_id == "prefill-0"
+    assert started <= landed.landed_at <= time.time()
+    assert landed.pull_s == pytest.approx(landed.landed_at - started, abs=1e-3)
+    for src, dst in ((9, 4), (2, 0), (5, 3)):
+        assert torch.equal(puller.local.kv[:, dst], prefill.pool.kv[:, src])
+    assert torch.all(puller.local.kv[:, [1, 2, 5]] == -7.0)  # the 4th page is beyond the prompt
+    assert puller.landed() == [] and not puller.copying
+
+
+@pytest.mark.parametrize("src_pages", [[3, -1], [3, 10], [3, 2 ** 70], [3]],
+                         ids=["negative", "past the pool", "beyond int64", "fewer than the prompt fills"])
+def test_page_ids_outside_the_prefill_pool_are_refused(puller, src_pages):
+    with pytest.raises(HandoffError):
+        puller.pull(task(src_pages, num_tokens=2 * PAGE_SIZE), [0, 1])
+    assert puller.landed() == []
+    assert torch.all(puller.local.kv == -7.0)
+
+
+def test_a_prefill_that_is_not_mapped_is_refused(puller):
+    puller.unmap_pool("prefill-0")
+    with pytest.raises(HandoffError, match="no mapped pool"):
+        puller.pull(task([0], num_tokens=1), [0])
+
+
+def test_pulls_past_the_staging_buffer_wrap_around(prefill, puller):
+    """The ids of a pull take the next slice of a reused buffer (room for 2 x 6 ids here)."""
+    for i, (src, dst) in enumerate([([1, 2, 3], [0, 1, 2]), ([4, 5], [3, 4]), ([6, 7, 8, 9], [5, 0, 1, 2])]):
+        puller.pull(task(src, num_tokens=len(src) * PAGE_SIZE, request_id=f"r{i}"), dst)
+        assert torch.equal(puller.local.kv[:, dst], prefill.pool.kv[:, src])
+    assert [landed.request_id for landed in puller.landed()] == ["r0", "r1", "r2"]
