@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTO_OUT := proto/pdserve/v1/generation_pb2.py proto/pdserve/v1/generation_pb2_grpc.py
 ARGS ?=
 
-.PHONY: setup run test test-gpu bench loadtest proto clean
+.PHONY: setup run test test-gpu bench bench-serving loadtest proto clean
 
 setup: $(VENV)/.installed $(PROTO_OUT)
 
@@ -35,6 +35,14 @@ test-gpu: setup
 
 bench: setup
 	$(PY) -m loadtest.bench_cpu $(ARGS)
+
+# Every way of serving on one open-loop workload (loadtest/bench_serving.py): serving.json, the
+# services' logs and PNG plots into SERVING_OUT; ARGS go to the benchmark. The plots are drawn even
+# when the benchmark reports a problem (its exit code is kept).
+SERVING_OUT ?= out/serving
+bench-serving: setup
+	$(PY) -m loadtest.bench_serving --out $(SERVING_OUT) $(ARGS); status=$$?; \
+		$(PY) -m loadtest.plot_serving $(SERVING_OUT)/serving.json && exit $$status
 
 # Locust against a running stack (`make run` in another terminal); stops after RUN_TIME and
 # writes CSV and HTML reports into OUT. TRAFFIC: closed, trace or curve (loadtest/locustfile.py).

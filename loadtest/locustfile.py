@@ -8,7 +8,7 @@ TTFT (first chunk), TPOT ((end - first chunk) / (tokens - 1), only with more tha
 E2E. A failed call fires E2E only, its error the gRPC status code, so the failure table groups by
 code. Traffic modes:
 - closed: -u users, each sends the long/short mix back to back;
-- trace: one dispatcher replays the Mooncake trace open loop (scaled, see loadtest/traffic.py);
+- trace: one dispatcher replays the Mooncake trace open loop (scaled, see loadtest/workload.py);
 - curve: one dispatcher sends the mix open loop at the rate of a t_seconds,requests_per_second
   CSV (--curve, default loadtest/curves/bursty.csv), the run's end set by a LoadTestShape.
 When the test stops, no new request starts and those in flight are waited for (--drain-seconds,
@@ -32,7 +32,7 @@ from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from loadtest import traffic
+from loadtest import traffic, workload
 
 grpc_gevent.init_gevent()  # after locust's monkey patching, before any channel exists
 
@@ -62,15 +62,15 @@ def _add_arguments(parser):
     group.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one call (s)")
     group.add_argument("--drain-seconds", type=float, default=120.0,
                        help="at stop, wait this long for requests in flight before cancelling them")
-    group.add_argument("--trace", default=str(traffic.DEFAULT_TRACE), help="Mooncake-format trace (jsonl)")
+    group.add_argument("--trace", default=str(workload.DEFAULT_TRACE), help="Mooncake-format trace (jsonl)")
     group.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace times (0.1: 10x faster)")
     group.add_argument("--rate-scale", type=float, default=1.0,
                        help="below 1 keeps every k-th trace request, above 1 repeats them")
     group.add_argument("--length-scale", type=float, default=1.0,
                        help="multiplies trace input and output lengths and the 512-token block")
-    group.add_argument("--max-input-tokens", type=int, default=traffic.MODEL_CONTEXT - 1)
-    group.add_argument("--max-output-tokens", type=int, default=traffic.MODEL_CONTEXT - 1)
-    group.add_argument("--context-tokens", type=int, default=traffic.MODEL_CONTEXT, help="the model's context")
+    group.add_argument("--max-input-tokens", type=int, default=workload.MODEL_CONTEXT - 1)
+    group.add_argument("--max-output-tokens", type=int, default=workload.MODEL_CONTEXT - 1)
+    group.add_argument("--context-tokens", type=int, default=workload.MODEL_CONTEXT, help="the model's context")
     group.add_argument("--replay-seconds", type=float, default=60.0, help="replay only this much (scaled) time")
     group.add_argument("--curve", default=str(DEFAULT_CURVE), help="CSV of t_seconds,requests_per_second")
 
@@ -109,7 +109,7 @@ def _stub(host: str) -> generation_pb2_grpc.GenerationStub:
     return generation_pb2_grpc.GenerationStub(_channel)
 
 
-def generate(stub, spec: traffic.RequestSpec, options) -> None:
+def generate(stub, spec: workload.RequestSpec, options) -> None:
     """One Generate stream, reported as TTFT, TPOT and E2E events under spec.name."""
     IN_FLIGHT.started += 1
     request = generation_pb2.GenerateRequest(prompt_token_ids=spec.prompt_token_ids, max_tokens=spec.max_tokens,
@@ -156,7 +156,7 @@ class GenerateUser(User):
     def on_start(self):
         self.options = self.environment.parsed_options
         self.stub = _stub(self.environment.host or "127.0.0.1:50051")
-        self.mix = traffic.Mix(self.options.long_fraction, self.options.long_tokens, self.options.short_tokens,
+        self.mix = workload.Mix(self.options.long_fraction, self.options.long_tokens, self.options.short_tokens,
                                self.options.max_tokens, self.options.seed)
 
     @task
@@ -180,7 +180,7 @@ class ReplayShape(LoadTestShape):
     abstract = True  # chosen by --traffic in _select_shape, never picked up by locust on its own
     use_common_options = True  # it reads --run-time
 
-    def __init__(self, schedule: list[traffic.Arrival], run_time_s: float | None):
+    def __init__(self, schedule: list[workload.Arrival], run_time_s: float | None):
         super().__init__()
         self.schedule = schedule
         self.run_time_s = run_time_s
@@ -198,17 +198,17 @@ class CurveShape(ReplayShape):
     abstract = True
 
     def __init__(self, options):
-        curve = traffic.read_curve(options.curve)
-        mix = traffic.Mix(options.long_fraction, options.long_tokens, options.short_tokens, options.max_tokens,
+        curve = workload.read_curve(options.curve)
+        mix = workload.Mix(options.long_fraction, options.long_tokens, options.short_tokens, options.max_tokens,
                           options.seed)
-        super().__init__(traffic.curve_schedule(curve, mix, options.replay_seconds), options.run_time)
+        super().__init__(workload.curve_schedule(curve, mix, options.replay_seconds), options.run_time)
 
 
 def trace_shape(options) -> ReplayShape:
-    scaling = traffic.TraceScaling(options.time_scale, options.rate_scale, options.length_scale,
+    scaling = workload.TraceScaling(options.time_scale, options.rate_scale, options.length_scale,
                                    options.max_input_tokens, options.max_output_tokens, options.context_tokens,
                                    options.replay_seconds)
-    return ReplayShape(traffic.trace_schedule(traffic.read_trace(options.trace), scaling), options.run_time)
+    return ReplayShape(workload.trace_schedule(workload.read_trace(options.trace), scaling), options.run_time)
 
 
 @events.init.add_listener

@@ -14,7 +14,7 @@ import pytest
 gevent = pytest.importorskip("gevent", reason="locust's gevent is a dev dependency")  # absent on the GPU image
 from gevent.pool import Group  # noqa: E402
 
-from loadtest import traffic  # noqa: E402
+from loadtest import traffic, workload  # noqa: E402
 from tests.stack import REPO  # noqa: E402
 
 LOCUST_RUN_S = 12
@@ -22,30 +22,30 @@ STARTED = re.compile(r"loadtest: (\d+) requests started, (\d+) finished")
 SMALL_MIX = ["--long-tokens", "192", "--short-tokens", "24", "--max-tokens", "12"]
 
 
-def record(ms: int, input_length: int = 40, output_length: int = 8, hash_ids=(1, 2, 3)) -> traffic.TraceRecord:
-    return traffic.TraceRecord(ms, input_length, output_length, tuple(hash_ids))
+def record(ms: int, input_length: int = 40, output_length: int = 8, hash_ids=(1, 2, 3)) -> workload.TraceRecord:
+    return workload.TraceRecord(ms, input_length, output_length, tuple(hash_ids))
 
 
-# ---- traffic.py, in-process ---------------------------------------------------------------------
+# ---- workload.py, in-process ---------------------------------------------------------------------
 
 def test_equal_hash_ids_give_equal_blocks_and_different_ids_differ():
-    a = traffic.trace_prompt([7, 8, 9], 48, 16)
-    b = traffic.trace_prompt([7, 8, 10], 48, 16)
+    a = workload.trace_prompt([7, 8, 9], 48, 16)
+    b = workload.trace_prompt([7, 8, 10], 48, 16)
     assert a[:32] == b[:32]
     assert a[32:] != b[32:]
-    assert traffic.trace_prompt([7], 16, 16) == a[:16]
-    assert all(traffic.TOKEN_ID_LOW <= t < traffic.TOKEN_ID_HIGH for t in a + b)
+    assert workload.trace_prompt([7], 16, 16) == a[:16]
+    assert all(workload.TOKEN_ID_LOW <= t < workload.TOKEN_ID_HIGH for t in a + b)
 
 
 def test_prompt_lengths_are_exact_and_clamped():
-    assert len(traffic.trace_prompt([1, 2, 3], 37, 16)) == 37
-    scaling = traffic.TraceScaling(length_scale=1 / 32, max_input_tokens=20, max_output_tokens=5)
+    assert len(workload.trace_prompt([1, 2, 3], 37, 16)) == 37
+    scaling = workload.TraceScaling(length_scale=1 / 32, max_input_tokens=20, max_output_tokens=5)
     assert scaling.block_tokens == 16
-    assert traffic.scaled_lengths(record(0, 640, 320, (1, 2)), scaling) == (20, 5)
-    assert traffic.scaled_lengths(record(0, 6758, 500, range(14)), traffic.TraceScaling()) == (6758, 500)
-    long = traffic.scaled_lengths(record(0, 120_000, 500, range(240)), traffic.TraceScaling())
-    assert long == (traffic.MODEL_CONTEXT - 1, 1)
-    mix = traffic.Mix(long_fraction=0.5, long_tokens=100, short_tokens=10, max_tokens=7, seed=3)
+    assert workload.scaled_lengths(record(0, 640, 320, (1, 2)), scaling) == (20, 5)
+    assert workload.scaled_lengths(record(0, 6758, 500, range(14)), workload.TraceScaling()) == (6758, 500)
+    long = workload.scaled_lengths(record(0, 120_000, 500, range(240)), workload.TraceScaling())
+    assert long == (workload.MODEL_CONTEXT - 1, 1)
+    mix = workload.Mix(long_fraction=0.5, long_tokens=100, short_tokens=10, max_tokens=7, seed=3)
     requests = [mix.request(i) for i in range(200)]
     assert {len(r.prompt_token_ids) for r in requests if r.name == "long"} == {100}
     assert {len(r.prompt_token_ids) for r in requests if r.name == "short"} == {10}
@@ -55,27 +55,27 @@ def test_prompt_lengths_are_exact_and_clamped():
 
 def test_trace_schedule_scales_time_and_rate_up_front():
     records = [record(ms) for ms in (0, 1000, 2000, 3000)]
-    schedule = traffic.trace_schedule(records, traffic.TraceScaling(time_scale=0.5))
+    schedule = workload.trace_schedule(records, workload.TraceScaling(time_scale=0.5))
     assert [a.at_s for a in schedule] == [0.0, 0.5, 1.0, 1.5]
-    assert len(traffic.trace_schedule(records, traffic.TraceScaling(rate_scale=0.5))) == 2
-    doubled = traffic.trace_schedule(records, traffic.TraceScaling(rate_scale=2))
+    assert len(workload.trace_schedule(records, workload.TraceScaling(rate_scale=0.5))) == 2
+    doubled = workload.trace_schedule(records, workload.TraceScaling(rate_scale=2))
     assert [a.at_s for a in doubled] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
     assert doubled[0].spec.prompt_token_ids == doubled[1].spec.prompt_token_ids
-    bounded = traffic.trace_schedule(records, traffic.TraceScaling(time_scale=0.5, replay_seconds=1.0))
+    bounded = workload.trace_schedule(records, workload.TraceScaling(time_scale=0.5, replay_seconds=1.0))
     assert [a.at_s for a in bounded] == [0.0, 0.5]
 
 
 # The production trace is handed to the project beside the checkout (../shared), as in CI.
-needs_trace = pytest.mark.skipif(not traffic.DEFAULT_TRACE.exists(),
-                                 reason=f"no production trace at {traffic.DEFAULT_TRACE}")
+needs_trace = pytest.mark.skipif(not workload.DEFAULT_TRACE.exists(),
+                                 reason=f"no production trace at {workload.DEFAULT_TRACE}")
 
 
 @needs_trace
 def test_shared_trace_reads_and_scales_to_the_cpu():
-    records = traffic.read_trace()[:2000]
-    scaling = traffic.TraceScaling(time_scale=0.1, rate_scale=0.1, length_scale=1 / 32, max_input_tokens=256,
+    records = workload.read_trace()[:2000]
+    scaling = workload.TraceScaling(time_scale=0.1, rate_scale=0.1, length_scale=1 / 32, max_input_tokens=256,
                                    max_output_tokens=16, replay_seconds=10)
-    schedule = traffic.trace_schedule(records, scaling)
+    schedule = workload.trace_schedule(records, scaling)
     assert schedule and all(0 <= a.at_s < 10 for a in schedule)
     assert all(1 <= len(a.spec.prompt_token_ids) <= 256 and 1 <= a.spec.max_tokens <= 16 for a in schedule)
 
@@ -83,20 +83,20 @@ def test_shared_trace_reads_and_scales_to_the_cpu():
 def test_curve_is_a_step_function_of_rate(tmp_path):
     path = tmp_path / "curve.csv"
     path.write_text("# comment\nt_seconds,requests_per_second\n0,2\n5,0\n10,1\n12,0\n")
-    curve = traffic.read_curve(path)
-    times = traffic.curve_arrival_times(curve)
+    curve = workload.read_curve(path)
+    times = workload.curve_arrival_times(curve)
     assert len(times) == 12  # 2/s for 5 s, nothing for 5 s, 1/s for 2 s
     assert times[:2] == [0.25, 0.75] and not any(5 < t < 10 for t in times)
-    assert len(traffic.curve_arrival_times(curve, limit_s=5)) == 10
-    shipped = traffic.read_curve(Path(traffic.__file__).parent / "curves" / "bursty.csv")
+    assert len(workload.curve_arrival_times(curve, limit_s=5)) == 10
+    shipped = workload.read_curve(Path(workload.__file__).parent / "curves" / "bursty.csv")
     assert max(rate for _, rate in shipped) == 2.3 and min(rate for _, rate in shipped[:-1]) == 0.12
 
 
 def test_open_loop_starts_on_time_whatever_the_server_takes():
-    schedule = [traffic.Arrival(i * 0.05, traffic.RequestSpec("x", (1,), 1, i)) for i in range(6)]
+    schedule = [workload.Arrival(i * 0.05, workload.RequestSpec("x", (1,), 1, i)) for i in range(6)]
     starts: dict[int, float] = {}
 
-    def slow_server(spec: traffic.RequestSpec) -> None:
+    def slow_server(spec: workload.RequestSpec) -> None:
         starts[spec.seed] = time.monotonic() - began
         gevent.sleep(1.0)
 
@@ -155,8 +155,8 @@ def test_trace_replay(stack, tmp_path):
             "--max-input-tokens", "256", "--max-output-tokens", "16", "--replay-seconds", "8"]
     stats, failures, started = run_locust(stack, tmp_path, args, users=3)  # still one dispatcher
     assert_complete(stats, failures, started, {"trace"})
-    records = traffic.read_trace()[:2000]
-    expected = traffic.trace_schedule(records, traffic.TraceScaling(
+    records = workload.read_trace()[:2000]
+    expected = workload.trace_schedule(records, workload.TraceScaling(
         time_scale=0.1, rate_scale=0.05, length_scale=0.03125, max_input_tokens=256, max_output_tokens=16,
         replay_seconds=8))
     assert started == len(expected)
@@ -169,4 +169,4 @@ def test_rate_curve(stack, tmp_path):
     curve.write_text("t_seconds,requests_per_second\n0,1\n4,2\n4.4,0.5\n8,0\n")
     stats, failures, started = run_locust(stack, tmp_path, ["--traffic", "curve", "--curve", str(curve), *SMALL_MIX])
     assert_complete(stats, failures, started, {"long", "short"})
-    assert started == len(traffic.curve_arrival_times(traffic.read_curve(curve)))
+    assert started == len(workload.curve_arrival_times(workload.read_curve(curve)))

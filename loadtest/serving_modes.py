@@ -1,0 +1,92 @@
+"""The ways of serving that the serving benchmark compares, and how each is started and stopped.
+
+- disaggregated: router, prefill and decode as three processes;
+- colocated: the router and one process that runs prefill and decode (decode on a high-priority
+  stream);
+- mps (GPU only): the disaggregated stack under our own MPS daemon, each worker limited to its
+  share of the SMs;
+- transformers: `generate` served one request at a time (loadtest/transformers_server.py), the floor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.mps_daemon import MpsDaemon, find_mps_control
+from tests.stack import REPO, ServiceStack
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    services: tuple[str, ...]   # as ServiceStack names them: under services/, or a dotted module
+    sends_timings: bool         # whether the last chunk carries StageTimings
+    mps: bool = False
+
+    def missing_modules(self) -> list[str]:
+        """The services whose module is not in this checkout (one being written elsewhere, say)."""
+        return [name for name in self.services if not module_exists(name)]
+
+
+MODES = {mode.name: mode for mode in (
+    Mode("disaggregated", ("router", "prefill", "decode"), sends_timings=True),
+    Mode("colocated", ("router", "colocated"), sends_timings=True),
+    Mode("mps", ("router", "prefill", "decode"), sends_timings=True, mps=True),
+    Mode("transformers", ("loadtest.transformers_server",), sends_timings=False),
+)}
+
+
+def module_exists(service: str) -> bool:
+    if "." in service:
+        return importlib.util.find_spec(service) is not None
+    return (REPO / "services" / service / "__main__.py").is_file()
+
+
+@dataclass(frozen=True)
+class MpsSplit:
+    """SM percent of each worker under MPS; 100 leaves CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset."""
+
+    decode_percent: int = 100
+    prefill_percent: int = 30
+
+    @classmethod
+    def parse(cls, text: str) -> "MpsSplit":
+        decode, prefill = (int(part) for part in text.split(","))
+        if not (1 <= decode <= 100 and 1 <= prefill <= 100):
+            raise ValueError(f"SM percents must be within 1-100, got {text!r}")
+        return cls(decode, prefill)
+
+    def service_env(self) -> dict[str, dict[str, str]]:
+        percents = {"decode": self.decode_percent, "prefill": self.prefill_percent}
+        return {name: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(p)} if p < 100 else {} for name, p in percents.items()}
+
+
+@contextmanager
+def serving(mode: Mode, workdir: Path, cache_dir: str, settings: dict[str, str], mps_split: MpsSplit,
+            start_timeout_s: float) -> Iterator[tuple[ServiceStack, dict]]:
+    """The mode's processes, SERVING; yields the stack and facts for the report (the MPS check)."""
+    if not mode.mps:
+        with ServiceStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
+                          **settings) as stack:
+            yield stack, {}
+        return
+    daemon = MpsDaemon(find_mps_control(), workdir / "mps")
+    try:
+        daemon.start()
+        with ServiceStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
+                          service_env=mps_split.service_env(), **settings, **daemon.env) as stack:
+            yield stack, {"mps": mps_check(daemon, stack, mps_split)}
+    finally:
+        daemon.stop()
+
+
+def mps_check(daemon: MpsDaemon, stack: ServiceStack, split: MpsSplit) -> dict:
+    """Both workers must be clients of our daemon's server, or the mode is not what it claims."""
+    clients = {pid for pids in daemon.clients().values() for pid in pids}
+    workers = {name: stack.processes[name].pid for name in ("prefill", "decode")}
+    return {"decode_sm_percent": split.decode_percent, "prefill_sm_percent": split.prefill_percent,
+            "workers_are_clients": set(workers.values()) <= clients}
