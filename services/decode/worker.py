@@ -19,7 +19,7 @@ from collections import deque
 
 import structlog
 
-from services.decode.batch import DecodingRequest, step_inputs
+from services.decode.batch import DecodingRequest, StepInputBuilder
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.handoff import HandoffError, KvPuller
 from shared import metrics
@@ -76,7 +76,10 @@ class DecodeWorker:
         self.scratch_page = config.kv.decode_pages
         self.puller = KvPuller(self.pool)
         self.stream = worker_stream(model.device, high_priority=True)
-        self.graphs = self._capture_graphs(config) if model.device.type == "cuda" else None
+        # The most pages one request can hold: its whole context, within the pool.
+        max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
+        self.inputs = StepInputBuilder(self.max_batch_size, max_pages, layout.page_size, model.device)
+        self.graphs = self._capture_graphs(config, max_pages) if model.device.type == "cuda" else None
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
@@ -86,11 +89,10 @@ class DecodeWorker:
         metrics.watch_worker(Role.DECODE, self.allocator.num_pages, self._heartbeat)
         metrics.serve(config.decode.metrics_address, metrics.WORKER)
 
-    def _capture_graphs(self, config: Config) -> GraphedDecode | None:
+    def _capture_graphs(self, config: Config, max_pages: int) -> GraphedDecode | None:
         sizes = config.decode.graph_batch_sizes()
         if not sizes:
             return None
-        max_pages = min(pages_for(self.model.max_context, self.pool.layout.page_size), self.pool.layout.num_pages)
         with on_stream(self.stream):
             return GraphedDecode(self.model, self.pool, self.scratch_page, max_pages, sizes)
 
@@ -162,7 +164,7 @@ class DecodeWorker:
 
     def _step(self) -> None:
         started_at = time.time()
-        inputs = step_inputs(self.running, self.pool.layout.page_size, self.model.device)
+        inputs = self.inputs.build(self.running)
         logits = self.graphs.step(inputs) if self.graphs is not None else None
         if logits is None:
             logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
