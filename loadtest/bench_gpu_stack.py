@@ -6,11 +6,14 @@ In one run:
 - throughput: 64 concurrent requests (1,024-token prompts, 128 output tokens, EOS ignored)
   through gRPC, output tokens per second of wall time;
 - handoff: per prompt length, from the router's log, the time from the prefill's KV being
-  complete to the start of the decode's first step for that request (handoff_s: router hop,
-  page copy, decode queue) and the page copy alone (kv_pull_s); and on the client, the gap
-  between the first token (sampled by the prefill) and the second (the decode's first step);
+  complete to the start (on the host) of the decode's first step for that request (handoff_s:
+  router hop, decode queue; the page copy runs ahead of that step on the device's stream) and
+  the copy from its launch to its landing (kv_pull_s); and on the client, the gap between the
+  first token (sampled by the prefill) and the second (the decode's first step), which includes
+  all of it;
 - memory: each process's GPU memory (nvidia-smi) with the decode mapping the prefill's weights
   and with a copy of its own;
+- with --colocated, throughput and handoff also for the colocated mode (services/colocated);
 - the baseline: transformers' continuous batching (`generate_batch`, paged sdpa attention) on
   the same workload, after the stack is stopped.
 """
@@ -30,7 +33,7 @@ from pathlib import Path
 import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from tests.stack import ServiceStack
+from tests.stack import SERVICES, ServiceStack
 
 CACHE_DIR = "~/.cache/pdserve"
 
@@ -115,12 +118,15 @@ def gpu_stack_settings(model: str, shared_weights: bool = True) -> dict[str, str
             "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if shared_weights else ""}
 
 
-def run_stack(model: str, shared_weights: bool, measure: bool) -> dict:
-    settings = gpu_stack_settings(model, shared_weights)
-    with tempfile.TemporaryDirectory() as workdir, ServiceStack(Path(workdir), CACHE_DIR, start_timeout_s=600,
-                                                                **settings) as stack:
+def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool = False) -> dict:
+    """colocated: the router and services/colocated (one process, one copy of the weights)."""
+    settings = gpu_stack_settings(model, shared_weights and not colocated)
+    services = ("router", "colocated") if colocated else SERVICES
+    with tempfile.TemporaryDirectory() as workdir, ServiceStack(Path(workdir), CACHE_DIR, services=services,
+                                                                start_timeout_s=600, **settings) as stack:
         pids = {name: p.pid for name, p in stack.processes.items()}
-        result = {"shared_weights": shared_weights, "gpu_memory_mib": gpu_memory_mib(pids)}
+        result = {"services": list(services), "shared_weights": shared_weights or colocated,
+                  "gpu_memory_mib": gpu_memory_mib(pids)}
         if measure:
             from shared.model.loader import load_hf_config
 
@@ -162,10 +168,14 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--skip-separate", action="store_true", help="skip the memory run without shared weights")
+    parser.add_argument("--colocated", action="store_true", help="also measure the colocated mode")
     parser.add_argument("--out")
     args = parser.parse_args()
     report = {"model": args.model, "shared": run_stack(args.model, shared_weights=True, measure=True)}
     print(json.dumps(report["shared"]), file=sys.stderr)
+    if args.colocated:
+        report["colocated"] = run_stack(args.model, shared_weights=False, measure=True, colocated=True)
+        print(json.dumps(report["colocated"]), file=sys.stderr)
     if not args.skip_separate:
         report["separate"] = run_stack(args.model, shared_weights=False, measure=False)
     if not args.skip_baseline:
