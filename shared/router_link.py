@@ -45,6 +45,7 @@ class RouterLink:
         self._interval = settings.heartbeat_interval_s
         self._context = zmq.Context()
         self._inbox: queue.Queue = queue.Queue()
+        self.received_at = 0.0  # see dispatch()
         self._outbox_address = f"inproc://outbox-{id(self)}"
         self._outbox_pull = self._context.socket(zmq.PULL)
         self._outbox_pull.bind(self._outbox_address)
@@ -60,8 +61,9 @@ class RouterLink:
     def send(self, message: object) -> None:
         self._outbox_push.send(wire.encode(message))
 
-    def receive(self, timeout_s: float) -> list[object]:
-        """Everything that has arrived, waiting up to timeout_s for the first message."""
+    def receive(self, timeout_s: float) -> list[tuple[float, object]]:
+        """Everything that has arrived, as (perf_counter when it arrived, message), waiting up to
+        timeout_s for the first message."""
         try:
             first = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
@@ -74,8 +76,10 @@ class RouterLink:
                 return messages
 
     def dispatch(self, handlers: dict[type, Callable[[object], None]], timeout_s: float) -> None:
-        """Runs the handler of every message that has arrived, waiting up to timeout_s for the first."""
-        for message in self.receive(timeout_s):
+        """Runs the handler of every message that has arrived, waiting up to timeout_s for the first.
+        While a handler runs, received_at is when its message arrived (perf_counter): a worker busy
+        in a forward pass leaves messages waiting here, and that wait is part of their queueing."""
+        for self.received_at, message in self.receive(timeout_s):
             handler = handlers.get(type(message))
             if handler is None:
                 log.warning("unexpected message", kind=type(message).__name__)
@@ -132,4 +136,4 @@ class RouterLink:
         elif isinstance(message, Registered):
             log.info("registered with router", router_started_at=message.router_started_at)
         else:
-            self._inbox.put(message)
+            self._inbox.put((time.perf_counter(), message))

@@ -93,7 +93,7 @@ class PrefillWorker:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.allocator.num_pages}"))
             return
-        self.waiting.append((task, time.perf_counter()))
+        self.waiting.append((task, self.link.received_at))
 
     def _on_release(self, message: ReleaseKv) -> None:
         pages = self.held.pop(message.request_id, None)
