@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # the CPU path copies with PyTorch and needs no triton
-    triton = None
-    _TRITON_IMPORT_ERROR: ImportError | None = exc
-else:
-    _TRITON_IMPORT_ERROR = None
+from shared.triton_support import require_triton, tl, triton
 
 _BLOCK = 4096
 
@@ -42,8 +35,7 @@ if triton is not None:
 def copy_pages(src_kv: torch.Tensor, dst_kv: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """src_kv/dst_kv: pools' [2 * layers, pages, page_size, kv_heads, head_dim] views (contiguous
     pages, any shard stride); src_ids/dst_ids: page ids of equal length on the pools' device."""
-    if triton is None:
-        raise ImportError("copy_pages needs triton") from _TRITON_IMPORT_ERROR
+    require_triton("copy_pages")
     if src_kv.shape[0] != dst_kv.shape[0] or src_kv.shape[2:] != dst_kv.shape[2:] or src_kv.dtype != dst_kv.dtype:
         raise ValueError("pools of different layouts")
     if len(src_ids) != len(dst_ids):

@@ -139,6 +139,7 @@ def test_imports_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
     monkeypatch.setitem(sys.modules, "triton.testing", None)
+    monkeypatch.delitem(sys.modules, "shared.triton_support")  # imported again, without triton
     spec = importlib.util.spec_from_file_location("gemv_triton_no_triton", gemv_triton.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

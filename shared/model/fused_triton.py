@@ -22,14 +22,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # the CPU code path of the project runs without triton
-    triton = None
-    _TRITON_IMPORT_ERROR: ImportError | None = exc
-else:
-    _TRITON_IMPORT_ERROR = None
+from shared.triton_support import require_triton, tl, triton
 
 # Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs.
 _SILU_BLOCK = 1024
@@ -126,11 +119,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def _require_triton(name: str) -> None:
-    if triton is None:
-        raise ImportError(f"{name} needs triton (pip install triton)") from _TRITON_IMPORT_ERROR
-
-
 def _check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2 or t.stride(-1) != 1:
         raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(t.shape)} "
@@ -165,7 +153,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm of x [N, H]: weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype), the statistics
     in fp32. Returns a new [N, H] tensor in x's dtype (promoted with weight's if they differ)."""
-    _require_triton("rms_norm")
+    require_triton("rms_norm")
     return _norm(x, None, weight, eps)[0]
 
 
@@ -173,7 +161,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """summed = x + residual (rounded to x's dtype), normed = rms_norm(summed, weight, eps), in one
     kernel; returns (normed, summed), both new [N, H] tensors."""
-    _require_triton("add_rms_norm")
+    require_triton("add_rms_norm")
     return _norm(x, residual, weight, eps)
 
 
@@ -188,7 +176,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     each row's slot. Writes rotated k and plain v to k_cache[pages[n], offsets[n]] /
     v_cache[...] and returns rotated q as a new [N, H, D] tensor. One launch.
     """
-    _require_triton("rope_write_kv")
+    require_triton("rope_write_kv")
     _check_rows("qkv", qkv)
     rows = qkv.shape[0]
     if head_dim % 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -227,7 +215,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2*I] (gate columns first) -> F.silu(gate) * up [N, I] in gate_up's dtype."""
-    _require_triton("silu_and_mul")
+    require_triton("silu_and_mul")
     _check_rows("gate_up", gate_up)
     rows, width = gate_up.shape
     if width % 2:

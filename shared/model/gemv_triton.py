@@ -23,15 +23,7 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    import triton.testing
-except ImportError as exc:  # the CPU code path of the project runs without triton
-    triton = None
-    _TRITON_IMPORT_ERROR: ImportError | None = exc
-else:
-    _TRITON_IMPORT_ERROR = None
+from shared.triton_support import require_triton, tl, triton
 
 MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -175,8 +167,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     config None: autotuned (CUDA only; the first call of a shape times every usable config, so it
     must not run inside CUDA-graph capture). A config from CONFIGS runs that config, as the tests do
     in the CPU interpreter."""
-    if triton is None:
-        raise ImportError("gemv needs triton (pip install triton)") from _TRITON_IMPORT_ERROR
+    require_triton("gemv")
     _check(x, weight)
     rows, k = x.shape
     n = weight.shape[0]

@@ -28,14 +28,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # the CPU code path of the project runs without triton
-    triton = None
-    _TRITON_IMPORT_ERROR: ImportError | None = exc
-else:
-    _TRITON_IMPORT_ERROR = None
+from shared.triton_support import require_triton, tl, triton
 
 _LOG2E = 1.4426950408889634
 # Tokens per inner-loop iteration: several 16-token pages per tl.dot keeps the tensor cores busy.
@@ -156,8 +149,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
     num_splits=None picks it from the shapes (see _choose_num_splits)."""
-    if triton is None:
-        raise ImportError("paged_decode_attention needs triton (pip install triton)") from _TRITON_IMPORT_ERROR
+    require_triton("paged_decode_attention")
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, kv_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
