@@ -7,6 +7,7 @@ workload, and stops them. The workloads, fixed before the first mode starts so e
 same requests at the same times:
 - poisson-R: Poisson arrivals at R requests/s (seeded exponential gaps), fixed prompt and output
   lengths (or a long/short mix), greedy with EOS ignored;
+- curve (with --curve): arrivals evenly paced along a requests-per-second curve, the same prompts;
 - trace+burst and trace: the production trace replayed (scaled), with and without --burst-requests
   long prompts all arriving at --burst-at-s; the requests already decoding then have their TPOT
   compared with the same requests' TPOT in the replay without the burst.
@@ -250,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--long-fraction", type=float, default=1.0,
                       help="below 1: a mix, this share with --prompt-tokens, the rest --short-prompt-tokens")
     load.add_argument("--short-prompt-tokens", type=int, default=64)
+    load.add_argument("--curve", default="", help="also a rate curve: a CSV of t_seconds,requests_per_second "
+                      "(e.g. loadtest/curves/bursty.csv), arrivals evenly paced along it, the same prompts")
+    load.add_argument("--curve-seconds", type=float, default=30.0, help="follow the curve this long at most")
     trace = parser.add_argument_group("trace replay (loadtest/workload.py TraceScaling)")
     trace.add_argument("--trace", default=str(DEFAULT_TRACE) if DEFAULT_TRACE.exists() else "",
                        help="Mooncake-format jsonl; '' skips the replay")
@@ -292,8 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.floor_rates = sorted(args.rates)[:1] if args.floor_rates is None else args.floor_rates
     if any(r <= 0 for r in args.rates + args.floor_rates):
         parser.error("rates must be positive")
-    if not args.rates and not args.trace:
-        parser.error("nothing to run: no --rates and no --trace")
+    if not args.rates and not args.trace and not args.curve:
+        parser.error("nothing to run: no --rates, --trace or --curve")
     args.slo = metrics.Slo(args.slo_ttft_s, args.slo_tpot_s, args.slo_attainment)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

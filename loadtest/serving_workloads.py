@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loadtest.serving_modes import Mode
-from loadtest.workload import (Arrival, Mix, RequestSpec, TraceScaling, burst, poisson_schedule, read_trace,
-                               trace_schedule)
+from loadtest.workload import (Arrival, Mix, RequestSpec, TraceScaling, burst, curve_schedule, poisson_schedule,
+                               read_curve, read_trace, trace_schedule)
 
 WARMUP_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class Workload:
-    name: str                         # poisson-<rate>, trace+burst or trace: the report's key
+    name: str                         # poisson-<rate>, curve, trace+burst or trace: the report's key
     schedule: list[Arrival]
     offered_rps: float | None = None  # a Poisson workload's rate; None for the trace
 
@@ -23,10 +23,19 @@ class Workload:
         return max((a.at_s for a in self.schedule), default=0.0)
 
 
+def _mix(args) -> Mix:
+    return Mix(args.long_fraction, args.prompt_tokens, args.short_prompt_tokens, args.output_tokens, args.seed)
+
+
 def poisson_workloads(args, rates: list[float], cap: int | None = None) -> list[Workload]:
-    mix = Mix(args.long_fraction, args.prompt_tokens, args.short_prompt_tokens, args.output_tokens, args.seed)
     length = {"count": args.requests_per_rate} if args.requests_per_rate else {"duration_s": args.duration_s}
-    return [Workload(f"poisson-{rate:g}", poisson_schedule(rate, mix, **length)[:cap], rate) for rate in rates]
+    return [Workload(f"poisson-{rate:g}", poisson_schedule(rate, _mix(args), **length)[:cap], rate) for rate in rates]
+
+
+def curve_workloads(args) -> list[Workload]:
+    if not args.curve:
+        return []
+    return [Workload("curve", curve_schedule(read_curve(args.curve), _mix(args), args.curve_seconds))]
 
 
 def trace_workloads(args) -> list[Workload]:
@@ -46,7 +55,7 @@ def trace_workloads(args) -> list[Workload]:
 def mode_workloads(mode: Mode, args) -> list[Workload]:
     if mode.name == "transformers":
         return poisson_workloads(args, args.floor_rates, cap=args.floor_requests_per_rate)
-    return poisson_workloads(args, args.rates) + trace_workloads(args)
+    return poisson_workloads(args, args.rates) + curve_workloads(args) + trace_workloads(args)
 
 
 def warm_up_schedule(workloads: list[Workload]) -> list[Arrival]:

@@ -134,6 +134,13 @@ def test_every_mode_gets_the_same_workload_and_the_floor_a_capped_part_of_it(tmp
     assert with_burst[:len(without)] == without and [a.spec.name for a in with_burst[len(without):]] == ["burst"] * 2
     floor = mode_workloads(MODES["transformers"], args)
     assert [(w.name, w.schedule) for w in floor] == [("poisson-1", stack[0].schedule[:2])]
+    curve = tmp_path / "curve.csv"
+    curve.write_text("t_seconds,requests_per_second\n0,2\n1,6\n2,0\n")
+    with_curve = mode_workloads(MODES["disaggregated"], parse_args(["--rates", "", "--trace", "", "--curve",
+                                                                    str(curve), "--curve-seconds", "5"]))
+    assert [w.name for w in with_curve] == ["curve"]
+    times = [a.at_s for a in with_curve[0].schedule]
+    assert len(times) == 8 and sum(t < 1 for t in times) == 2  # 2/s for a second, then 6/s for one
     assert MpsSplit.parse("100,30").service_env() == {"decode": {},
                                                       "prefill": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}}
 
