@@ -220,3 +220,17 @@ def test_a_request_ended_by_its_first_token_has_no_decode_stages(stack):
     last = _generate(stack.stub, _request("prompt", "Hello", max_tokens=1))[2]
     assert last.timings.first_token_s > 0
     assert (last.timings.kv_handoff_s, last.timings.decode_queue_s, last.timings.first_decode_step_s) == (0, 0, 0)
+
+
+def test_a_prompt_waiting_behind_another_counts_the_wait_as_prefill_queue(stack):
+    """Two prompts at once on one prefill: the second waits while the first computes, and that wait
+    (spent in the worker's inbox, not yet in its queue) is prefill queue time, not router hops."""
+    prompts = [[1000 + (7 * i + k) % 30000 for i in range(400)] for k in range(2)]
+
+    def timings(prompt):
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=1, temperature=0)
+        return _generate(stack.stub, request)[2].timings
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = sorted(pool.map(timings, prompts), key=lambda t: t.prefill_queue_s)
+    assert second.prefill_queue_s >= 0.5 * first.prefill_compute_s > 0
