@@ -143,6 +143,7 @@ class PrefillTask:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop: StopParams
+    sent_at: float  # wall clock (time.time) when the router sent it: the prefill queue starts here
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class KvReady:
     num_tokens: int              # tokens whose KV sits in the pages (the prompt)
     first_token_id: int          # sampled by the prefill, so TTFT does not wait for the decode
     finish_reason: FinishReason | None  # set when the first token already ends the request
-    queued_s: float              # time the task waited in the prefill's queue
+    queued_s: float              # from the router sending the task to its prefill starting
     compute_s: float             # prompt forward pass and sampling
     ready_at: float              # wall clock (time.time) when the KV was complete: starts the handoff
 

@@ -1,22 +1,19 @@
 """A worker's connection to the router: registration, heartbeats and typed messages.
 
-An I/O thread owns the DEALER socket, so heartbeats go out even while the worker's main thread
-is inside a long forward pass. The main thread reads decoded messages from a queue and sends
-through an inproc socket that the I/O thread forwards. A frame that does not decode is logged
-and dropped; the worker keeps running. If the router restarts it answers our heartbeat with
-Reregister and we register again, without a restart of the worker.
-
-The I/O thread needs the GIL for a moment per message. A main thread that keeps taking it back
-(a step drops it around each kernel launch and retakes it before a waiting thread wakes) makes
-the I/O thread wait out the whole switch interval, 5 ms by default: more than a whole KV
-handoff, on each of the prefill's send and the decode's receive. start() shortens it for the
-process.
+The worker's main thread owns the DEALER socket: it sends its results straight onto it and
+reads its tasks from it between forward passes. No thread sits between the worker and the
+socket, because every thread on the path costs a wake-up per message, and the KV handoff
+crosses the link twice. Heartbeats must still go out while the main thread is inside a long
+forward pass, so a heartbeat thread borrows the socket then: a lock hands the socket from one
+thread to the other (a mutex is the full memory barrier ZeroMQ asks for when a socket changes
+threads). While the main thread holds the socket, waiting for messages, it sends the heartbeats
+itself. A frame that does not decode is logged and dropped; the worker keeps running. If the
+router restarts it answers our heartbeat with Reregister and we register again, without a
+restart of the worker.
 """
 
 from __future__ import annotations
 
-import queue
-import sys
 import threading
 import time
 from typing import Callable
@@ -31,55 +28,62 @@ from shared.zmq_security import secure_client
 
 log = structlog.get_logger()
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 
 class RouterLink:
     def __init__(self, endpoint: str, worker_id: str, registration: Callable[[], Register],
                  heartbeat: Callable[[], Heartbeat], settings: WorkerConfig):
-        self._endpoint = endpoint
-        self._settings = settings  # heartbeat interval; CURVE key files, used on tcp:// only
         self._worker_id = worker_id
         self._registration = registration
         self._heartbeat = heartbeat
         self._interval = settings.heartbeat_interval_s
+        self._next_beat = 0.0
         self._context = zmq.Context()
-        self._inbox: queue.Queue = queue.Queue()
-        self.received_at = 0.0  # see dispatch()
-        self._outbox_address = f"inproc://outbox-{id(self)}"
-        self._outbox_pull = self._context.socket(zmq.PULL)
-        self._outbox_pull.bind(self._outbox_address)
-        self._outbox_push = self._context.socket(zmq.PUSH)  # used by the main thread only
-        self._outbox_push.connect(self._outbox_address)
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        # Tasks wait in the socket while the main thread computes; the router bounds how many.
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        secure_client(self._socket, endpoint, settings)  # CURVE key files, used on tcp:// only
+        self._endpoint = endpoint
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)
+        self._beater = threading.Thread(target=self._beat_while_open, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self._thread.start()
+        self._socket.connect(self._endpoint)
+        self.send(self._registration())
+        self._next_beat = time.monotonic() + self._interval
+        self._beater.start()
 
     def send(self, message: object) -> None:
-        self._outbox_push.send(wire.encode(message))
+        frame = wire.encode(message)
+        with self._lock:
+            self._socket.send(frame)
 
-    def receive(self, timeout_s: float) -> list[tuple[float, object]]:
-        """Everything that has arrived, as (perf_counter when it arrived, message), waiting up to
-        timeout_s for the first message."""
-        try:
-            first = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return []
-        messages = [first]
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
+    def receive(self, timeout_s: float) -> list[object]:
+        """Every message that has arrived, waiting up to timeout_s for the first. Heartbeats due
+        meanwhile go out from here; the router's own replies (Registered, Reregister) are
+        handled here and not returned."""
+        frames = []
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                self._beat_if_due()
+                if self._poller.poll(max(0.0, min(deadline, self._next_beat) - time.monotonic()) * 1000):
+                    try:
+                        while True:
+                            frames.append(self._socket.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                if time.monotonic() >= deadline:
+                    break
+        return [m for m in map(self._decode, frames) if m is not None]
 
     def dispatch(self, handlers: dict[type, Callable[[object], None]], timeout_s: float) -> None:
-        """Runs the handler of every message that has arrived, waiting up to timeout_s for the first.
-        While a handler runs, received_at is when its message arrived (perf_counter): a worker busy
-        in a forward pass leaves messages waiting here, and that wait is part of their queueing."""
-        for self.received_at, message in self.receive(timeout_s):
+        """Runs the handler of every message that has arrived, waiting up to timeout_s for the first."""
+        for message in self.receive(timeout_s):
             handler = handlers.get(type(message))
             if handler is None:
                 log.warning("unexpected message", kind=type(message).__name__)
@@ -87,53 +91,40 @@ class RouterLink:
                 handler(message)
 
     def close(self, linger_s: float = 1.0) -> None:
-        """Flushes what was sent (up to linger_s), then stops the thread and the sockets."""
+        """Deregisters, flushes what was sent (up to linger_s) and closes the socket."""
         self._closing.set()
-        self._thread.join(timeout=linger_s + 1.0)
-        self._outbox_push.close(linger=0)
+        self._beater.join()
+        self.send(Deregister(self._worker_id))
+        self._socket.close(linger=int(linger_s * 1000))
         self._context.term()
 
-    def _run(self) -> None:
+    def _beat_while_open(self) -> None:
         structlog.contextvars.bind_contextvars(worker_id=self._worker_id)  # one of two in services.colocated
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self._worker_id.encode())
-        dealer.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-        secure_client(dealer, self._endpoint, self._settings)
-        dealer.connect(self._endpoint)
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._outbox_pull, zmq.POLLIN)
-        dealer.send(wire.encode(self._registration()))
-        next_beat = time.monotonic() + self._interval
-        try:
-            while not self._closing.is_set():
-                ready = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1000))
-                if self._outbox_pull in ready:
-                    while self._outbox_pull.poll(0):
-                        dealer.send(self._outbox_pull.recv())
-                if dealer in ready:
-                    while dealer.poll(0):
-                        self._on_frame(dealer, dealer.recv())
-                if time.monotonic() >= next_beat:
-                    dealer.send(wire.encode(self._heartbeat()))
-                    next_beat = time.monotonic() + self._interval
-            while self._outbox_pull.poll(0):  # flush final messages (Failed, ...) before leaving
-                dealer.send(self._outbox_pull.recv())
-            dealer.send(wire.encode(Deregister(self._worker_id)))
-        finally:
-            dealer.close(linger=1000)
-            self._outbox_pull.close(linger=0)
+        while not self._closing.wait(max(0.0, self._next_beat - time.monotonic())):
+            # A main thread waiting in receive() holds the socket, and beats itself meanwhile.
+            if self._lock.acquire(timeout=self._interval):
+                try:
+                    self._beat_if_due()
+                finally:
+                    self._lock.release()
 
-    def _on_frame(self, dealer: zmq.Socket, frame: bytes) -> None:
+    def _beat_if_due(self) -> None:
+        """Called with the lock held."""
+        if time.monotonic() >= self._next_beat:
+            self._socket.send(wire.encode(self._heartbeat()))
+            self._next_beat = time.monotonic() + self._interval
+
+    def _decode(self, frame: bytes) -> object | None:
         try:
             message = wire.decode(frame)
         except wire.WireError as exc:
             log.warning("dropped malformed frame from router", error=str(exc), size=len(frame))
-            return
+            return None
         if isinstance(message, Reregister):
             log.info("router asked to register again")
-            dealer.send(wire.encode(self._registration()))
-        elif isinstance(message, Registered):
+            self.send(self._registration())
+            return None
+        if isinstance(message, Registered):
             log.info("registered with router", router_started_at=message.router_started_at)
-        else:
-            self._inbox.put((time.perf_counter(), message))
+            return None
+        return message

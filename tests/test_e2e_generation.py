@@ -224,7 +224,7 @@ def test_a_request_ended_by_its_first_token_has_no_decode_stages(stack):
 
 def test_a_prompt_waiting_behind_another_counts_the_wait_as_prefill_queue(stack):
     """Two prompts at once on one prefill: the second waits while the first computes, and that wait
-    (spent in the worker's inbox, not yet in its queue) is prefill queue time, not router hops."""
+    (spent in the worker's socket, not yet in its queue) is prefill queue time, not router hops."""
     prompts = [[1000 + (7 * i + k) % 30000 for i in range(400)] for k in range(2)]
 
     def timings(prompt):

@@ -28,6 +28,10 @@ from shared.worker_main import Worker, exit_on_error, load_model
 
 log = structlog.get_logger()
 
+# The two loops take turns on the GIL. A loop that waits on a socket or the device wakes up and
+# then waits for the other to yield it, by default for up to 5 ms: longer than a KV handoff.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
 
 def main() -> None:
     die_with_parent()
@@ -35,6 +39,7 @@ def main() -> None:
     worker_ids = f"{config.prefill.worker_id},{config.decode.worker_id}"
     configure_logging("colocated", worker_ids, config.log.format, config.log.level)
     stopping = stop_event_on_signals()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model, finish = load_model(config)
     notify = JointNotify(SystemdNotify(), ("prefill", "decode"))
     # The decode first: the prefill's constructor exports its pool, which only its run() closes.

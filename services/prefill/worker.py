@@ -45,7 +45,7 @@ class PrefillWorker:
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.exported = export_pool(layout, self.worker_id, model.device)
         self.allocator = PageAllocator(layout.num_pages)
-        self.waiting: deque[tuple[PrefillTask, float]] = deque()
+        self.waiting: deque[PrefillTask] = deque()
         self.held: dict[str, list[int]] = {}
         self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
                                self._heartbeat, config.worker)
@@ -81,10 +81,10 @@ class PrefillWorker:
             self.notify.watchdog()
             self.link.dispatch(self.handlers, timeout_s=0 if self._next_fits() else 0.1)
             if self._next_fits():
-                self._prefill(*self.waiting.popleft())
+                self._prefill(self.waiting.popleft())
 
     def _next_fits(self) -> bool:
-        return bool(self.waiting) and pages_for(len(self.waiting[0][0].prompt_token_ids),
+        return bool(self.waiting) and pages_for(len(self.waiting[0].prompt_token_ids),
                                                 self.exported.pool.layout.page_size) <= self.allocator.num_free
 
     def _on_task(self, task: PrefillTask) -> None:
@@ -93,7 +93,7 @@ class PrefillWorker:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.allocator.num_pages}"))
             return
-        self.waiting.append((task, self.link.received_at))
+        self.waiting.append(task)
 
     def _on_release(self, message: ReleaseKv) -> None:
         pages = self.held.pop(message.request_id, None)
@@ -102,9 +102,10 @@ class PrefillWorker:
 
     def _on_abort(self, message: Abort) -> None:
         self._on_release(ReleaseKv(message.request_id))
-        self.waiting = deque(item for item in self.waiting if item[0].request_id != message.request_id)
+        self.waiting = deque(task for task in self.waiting if task.request_id != message.request_id)
 
-    def _prefill(self, task: PrefillTask, arrived: float) -> None:
+    def _prefill(self, task: PrefillTask) -> None:
+        queued_s = max(0.0, time.time() - task.sent_at)  # includes waiting in the socket behind earlier prompts
         started = time.perf_counter()
         prompt = task.prompt_token_ids
         pages = self.allocator.allocate(pages_for(len(prompt), self.exported.pool.layout.page_size))
@@ -120,12 +121,12 @@ class PrefillWorker:
         finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
         self.link.send(KvReady(task.request_id, self.worker_id, pages, len(prompt), token, finish_reason,
-                               started - arrived, compute_s, time.time()))
+                               queued_s, compute_s, time.time()))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
 
     def _shutdown(self) -> None:
         self.notify.stopping()
-        for task, _ in self.waiting:
+        for task in self.waiting:
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
         self.link.close()
         self.exported.close()

@@ -206,7 +206,7 @@ class TokenRouter:
         request.timings["admission_s"] = time.perf_counter() - request.submitted_at
         self.requests[request.request_id] = request
         job = request.job
-        self._send(prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling, job.stop))
+        self._send(prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling, job.stop, time.time()))
         return True
 
     def _admit_waiting(self) -> None:
