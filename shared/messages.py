@@ -150,7 +150,7 @@ class PrefillTask:
 class KvReady:
     request_id: str
     prefill_worker_id: str
-    page_ids: list[int]
+    page_ids: bytes              # the pages holding the prompt's KV (wire.pack_page_ids)
     num_tokens: int              # tokens whose KV sits in the pages (the prompt)
     first_token_id: int          # sampled by the prefill, so TTFT does not wait for the decode
     finish_reason: FinishReason | None  # set when the first token already ends the request
@@ -163,7 +163,7 @@ class KvReady:
 class DecodeTask:
     request_id: str
     prefill_worker_id: str
-    src_page_ids: list[int]
+    src_page_ids: bytes  # KvReady.page_ids, passed on as they came
     num_tokens: int
     first_token_id: int
     sampling: SamplingParams

@@ -94,7 +94,7 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         puller.map_pool("prefill-test", handle)
 
         def pull(request_id, src, dst):
-            task = DecodeTask(request_id, "prefill-test", list(src), 16 * len(src), 7, SamplingParams(0, 1, 0, 0),
+            task = DecodeTask(request_id, "prefill-test", wire.pack_page_ids(list(src)), 16 * len(src), 7, SamplingParams(0, 1, 0, 0),
                               StopParams(4, True))
             puller.pull(task, list(dst))
 

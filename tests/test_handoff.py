@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.decode.handoff import HandoffError, KvPuller
+from shared import wire
 from shared.kv_pool import allocate_local_pool, make_layout
 from shared.kv_share import export_pool
 from shared.messages import DecodeTask, SamplingParams, StopParams
@@ -35,8 +36,9 @@ def puller(prefill):
     del buffer
 
 
-def task(src_pages: list[int], num_tokens: int, request_id: str = "r1") -> DecodeTask:
-    return DecodeTask(request_id, "prefill-0", src_pages, num_tokens, 7, SamplingParams(0, 1, 0, 0), StopParams(4, True))
+def task(src_pages: list[int] | bytes, num_tokens: int, request_id: str = "r1") -> DecodeTask:
+    packed = src_pages if isinstance(src_pages, bytes) else wire.pack_page_ids(src_pages)
+    return DecodeTask(request_id, "prefill-0", packed, num_tokens, 7, SamplingParams(0, 1, 0, 0), StopParams(4, True))
 
 
 def test_pull_copies_the_prompt_pages_and_lands_once(prefill, puller):
@@ -52,8 +54,8 @@ def test_pull_copies_the_prompt_pages_and_lands_once(prefill, puller):
     assert puller.landed() == [] and not puller.copying
 
 
-@pytest.mark.parametrize("src_pages", [[3, -1], [3, 10], [3, 2 ** 70], [3]],
-                         ids=["negative", "past the pool", "beyond int64", "fewer than the prompt fills"])
+@pytest.mark.parametrize("src_pages", [[3, -1], [3, 10], wire.pack_page_ids([3, 1])[:-1], [3]],
+                         ids=["negative", "past the pool", "not whole int32s", "fewer than the prompt fills"])
 def test_page_ids_outside_the_prefill_pool_are_refused(puller, src_pages):
     with pytest.raises(HandoffError):
         puller.pull(task(src_pages, num_tokens=2 * PAGE_SIZE), [0, 1])

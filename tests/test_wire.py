@@ -28,9 +28,9 @@ SAMPLES = [
     m.PoolAvailable("prefill-0", HANDLE),
     m.PoolGone("prefill-0"),
     m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP, sent_at=1795940000.25),
-    m.KvReady("req-1", "prefill-0", [0, 5, 7], 40, 17, None, queued_s=0.001, compute_s=0.25, ready_at=1795940000.5),
-    m.KvReady("req-2", "prefill-0", [3], 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1, ready_at=1795940001.0),
-    m.DecodeTask("req-1", "prefill-0", [0, 5, 7], 40, 17, SAMPLING, STOP),
+    m.KvReady("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, None, queued_s=0.001, compute_s=0.25, ready_at=1795940000.5),
+    m.KvReady("req-2", "prefill-0", wire.pack_page_ids([3]), 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1, ready_at=1795940001.0),
+    m.DecodeTask("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, SAMPLING, STOP),
     m.KvPulled("req-1", "prefill-0", pull_s=0.003, pulled_at=1.7e9),
     m.ReleaseKv("req-1"),
     m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)], 1795940002.25),
@@ -105,7 +105,7 @@ BAD_FRAMES = {
     "nested struct as map": _frame(PREFILL_TASK, "r", [1], {"temperature": 0.7}, STOP_RAW, 2.5),
     "bool field given int": _frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, [16, 0], 2.5),
     "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 1, 1, 16, None),
-    "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", [0], 1, 2, "eos", 0.0, 0.0, 0.0),
+    "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0.0, 0.0),
     "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
     "None for required field": _frame(HEARTBEAT, None, 1, 0, 0),
     "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5], 2.5),
@@ -188,3 +188,11 @@ def test_wire_does_not_import_pickle():
     repo = Path(wire.__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_page_ids_travel_packed_and_come_back_whole():
+    packed = wire.pack_page_ids([0, 5, 2 ** 31 - 1])
+    assert len(packed) == 3 * wire.PAGE_ID_BYTES
+    assert list(wire.unpack_page_ids(packed)) == [0, 5, 2 ** 31 - 1]
+    with pytest.raises(wire.WireError, match="not whole"):
+        wire.unpack_page_ids(packed[:-1])

@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass
 
 import structlog
+import numpy as np
 import torch
 
+from shared import wire
 from shared.kv_pool import PagedKvPool, pages_for
 from shared.kv_share import map_pool
 from shared.messages import DecodeTask, KvPoolHandle
@@ -66,9 +68,9 @@ class PageIdStaging:
         self.uploaded = torch.cuda.Event() if on_gpu else None
         self.used = 0
 
-    def stage(self, src: list[int], dst: list[int], src_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both lists as index tensors on the device; ValueError (or OverflowError) unless every
-        src id is in [0, src_limit)."""
+    def stage(self, src: np.ndarray, dst: list[int], src_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both id lists as index tensors on the device; ValueError unless every src id is in
+        [0, src_limit)."""
         n = len(src)
         if len(dst) != n or 2 * n > len(self.ids):
             raise ValueError(f"{n} source and {len(dst)} destination pages do not fit a buffer of {len(self.ids)}")
@@ -127,12 +129,13 @@ class KvPuller:
         if entry is None:
             raise HandoffError(f"no mapped pool for prefill {task.prefill_worker_id}")
         count = pages_for(task.num_tokens, self.local.layout.page_size)
-        if len(task.src_page_ids) < count:
-            raise HandoffError(f"{len(task.src_page_ids)} page ids for a prompt of {count} pages")
         started_at = time.time()
         try:
-            src, dst = self.staging.stage(task.src_page_ids[:count], local_pages[:count], entry[0].layout.num_pages)
-        except (ValueError, OverflowError) as exc:
+            src_ids = np.frombuffer(wire.unpack_page_ids(task.src_page_ids), dtype=np.intc)
+            if len(src_ids) < count:
+                raise ValueError(f"{len(src_ids)} page ids for a prompt of {count} pages")
+            src, dst = self.staging.stage(src_ids[:count], local_pages[:count], entry[0].layout.num_pages)
+        except ValueError as exc:  # WireError is one
             raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
         self.local.copy_pages_from(entry[1].pool, src, dst)
         if src.is_cuda:

@@ -16,7 +16,7 @@ from collections import deque
 
 import structlog
 
-from shared import metrics
+from shared import metrics, wire
 from shared.device import on_stream, worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
 from shared.kv_share import export_pool
@@ -120,7 +120,7 @@ class PrefillWorker:
         self.held[task.request_id] = pages
         finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
-        self.link.send(KvReady(task.request_id, self.worker_id, pages, len(prompt), token, finish_reason,
+        self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(pages), len(prompt), token, finish_reason,
                                queued_s, compute_s, time.time()))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
 
