@@ -10,7 +10,9 @@ Everything is measured in one run beside its physical limit, measured in the sam
 Each weight shape of a decode step is also read by cuBLAS and by the Triton GEMV alone, timed as
 shared/model/linear_choice.py times them to choose between the two.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
-(services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place.
+(services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place, its
+Triton kernels launched with programmatic dependent launch (shared/triton_support.py); some
+batches are timed again without it and with cuBLAS for every matmul.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from shared.messages import SamplingParams, StopParams
 from shared.model import gemv_triton, presets
 from shared.model.linear_choice import LinearChooser, time_per_call_ms
 from shared.model.llama import PagedLlama
+from shared.triton_support import allow_pdl
 
 GIB = 1 << 30
 
@@ -199,6 +202,8 @@ def main() -> None:
     parser.add_argument("--linear-rows", default="1,8", help="batch sizes of the per-weight cuBLAS/GEMV comparison")
     parser.add_argument("--cublas-batches", default="1,8",
                         help="batch sizes whose decode step is also timed with cuBLAS for every matmul; empty: skip")
+    parser.add_argument("--no-pdl-batches", default="1,8",
+                        help="batch sizes whose decode step is also timed without programmatic dependent launch")
     parser.add_argument("--out")
     args = parser.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -222,6 +227,11 @@ def main() -> None:
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
     report["linear_choices"] = [dataclasses.asdict(c) for c in model.linears.choices.values()]
+    if args.no_pdl_batches:  # the same steps, each kernel launched only once the last has drained
+        allow_pdl(False)
+        report["decode_without_pdl"] = bench_decode(model, ints(args.no_pdl_batches), ints(args.contexts),
+                                                    bandwidth, int(free * 0.85))
+        allow_pdl(True)
     if args.cublas_batches:  # the same steps with every matmul on cuBLAS: what the GEMV choice gains
         model.linears = LinearChooser("cublas")
         report["decode_cublas_only"] = bench_decode(model, ints(args.cublas_batches), ints(args.contexts),

@@ -2,9 +2,22 @@
 
 Each kernel module takes `triton` and `tl` from here (None without triton), defines its kernels
 only when they are present, and calls require_triton before a launch.
+
+The decode step's kernels also take their launch options from here (pdl_options): programmatic
+dependent launch, on GPUs that have it (Hopper, sm_90, and later). A step is some three hundred
+small kernels, each depending on the one before; normally the next one is launched only once
+the last has drained, and each of these gaps costs about as much as a small kernel's work. With
+PDL the next kernel's programs are launched while the last one still runs: each kernel starts
+with wait_for_previous_kernel(), which lets its successor launch at once and then waits until
+every write of its predecessor is visible. Nothing a kernel does comes before that wait, so the
+order of reads and writes on the stream is the same as without PDL.
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
 
 try:
     import triton
@@ -16,7 +29,37 @@ except ImportError as exc:
 else:
     _IMPORT_ERROR = None
 
+_pdl_allowed = True
+
 
 def require_triton(kernel: str) -> None:
     if triton is None:
         raise ImportError(f"{kernel} needs triton (pip install triton)") from _IMPORT_ERROR
+
+
+def allow_pdl(allowed: bool) -> None:
+    """Switches programmatic dependent launch off or on for later launches (benchmarks compare)."""
+    global _pdl_allowed
+    _pdl_allowed = allowed
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch options of a kernel that starts with wait_for_previous_kernel(USE_PDL)."""
+    if _pdl_allowed and device.type == "cuda" and _has_pdl(device.index if device.index is not None else 0):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+wait_for_previous_kernel = None
+if triton is not None:
+
+    @triton.jit
+    def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()

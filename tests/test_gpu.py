@@ -154,6 +154,42 @@ def test_graphed_decode_equals_eager():
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
 
 
+def test_programmatic_launch_leaves_the_step_bit_identical():
+    """PDL lets a kernel start while the one before it drains; every kernel waits before it touches
+    memory, so a graphed bf16 step gives the same bits with and without it."""
+    from services.decode.batch import DecodingRequest, step_inputs
+    from services.decode.cuda_graphs import GraphedDecode
+    from shared import triton_support
+    from shared.messages import SamplingParams, StopParams
+    from shared.model.llama import load_paged_llama
+
+    device = torch.device("cuda:0")
+    assert triton_support.pdl_options(device)["USE_PDL"] == (torch.cuda.get_device_capability(0) >= (9, 0))
+    model = load_paged_llama("random:llama-tiny", "bfloat16", "cuda:0")
+    layout = make_layout(model.num_layers, 512, 16, model.num_kv_heads, model.head_dim, torch.bfloat16)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    scratch = allocator.allocate(1)[0]
+    requests = []
+    for i in range(12):
+        length = 5 + 37 * i
+        pages = allocator.allocate(pages_for(length + 8, 16))
+        model.prefill([3 + (7 * j + i) % 1000 for j in range(length)], pool, pages)
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0), StopParams(8, True)))
+    inputs = step_inputs(requests, 16, device)
+    kv_before = pool.kv.clone()
+    with_pdl = GraphedDecode(model, pool, scratch, 64, [16]).step(inputs).clone()
+    kv_with_pdl = pool.kv.clone()
+    pool.kv.copy_(kv_before)
+    triton_support.allow_pdl(False)
+    try:
+        without_pdl = GraphedDecode(model, pool, scratch, 64, [16]).step(inputs).clone()
+    finally:
+        triton_support.allow_pdl(True)
+    assert torch.equal(with_pdl, without_pdl)
+    assert torch.equal(kv_with_pdl, pool.kv)
+
+
 def test_stack_on_gpu_matches_transformers(tmp_path):
     """The whole stack on the GPU in float32 (a random-weight Llama, built from the same seed in
     every process) against transformers' generate on the same weights."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.triton_support import require_triton, tl, triton
+from shared.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 # Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs.
 _SILU_BLOCK = 1024
@@ -37,8 +37,9 @@ if triton is not None:
         x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
         eps, hidden,
         stride_x, stride_res, stride_out, stride_sum,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -63,8 +64,9 @@ if triton is not None:
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
         num_heads, num_kv_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         # Program (n, h): h < num_heads rotates q head h into q; otherwise kv head h - num_heads
         # rotates k and copies v into the row's cache slot. The k heads follow the q heads in a qkv
         # row, so head h starts at column h * HEAD_DIM either way.
@@ -106,8 +108,9 @@ if triton is not None:
     @triton.jit
     def _silu_and_mul_kernel(
         gate_up_ptr, out_ptr, inter, stride_in, stride_out,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -145,7 +148,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         eps, hidden,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(4, block // _NORM_COLS_PER_WARP)),
+        num_warps=min(16, max(4, block // _NORM_COLS_PER_WARP)), **pdl_options(x.device),
     )
     return out, summed
 
@@ -208,7 +211,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         num_warps=1 if head_dim <= 128 else 2,
         # Otherwise x * cos + rot * sin contracts to one fma, skipping PyTorch's rounding of x * cos
         # (1 ulp off on ~25% of bf16 elements); without it the result is bitwise PyTorch's.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_options(qkv.device),
     )
     return q
 
@@ -226,6 +229,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
         gate_up, out, inter, gate_up.stride(0), out.stride(0),
-        BLOCK=_SILU_BLOCK, num_warps=4,
+        BLOCK=_SILU_BLOCK, num_warps=4, **pdl_options(gate_up.device),
     )
     return out

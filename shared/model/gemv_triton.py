@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from shared.triton_support import require_triton, tl, triton
+from shared.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,7 +61,9 @@ if triton is not None:
         stride_xm, stride_wn, stride_om,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         split = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -102,7 +104,9 @@ if triton is not None:
             tl.store(partial_ptr + (split * M + m[None, :]) * N + rows[:, None], result, mask=out_mask)
 
     @triton.jit
-    def _split_sum_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _split_sum_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+        wait_for_previous_kernel(USE_PDL)
         m = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -187,16 +191,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     def grid(meta):
         return triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"]
 
+    launch = pdl_options(x.device)
     if config is None:
-        _gemv_tuned[grid](*args, DOT_PRECISION=precision)
+        _gemv_tuned[grid](*args, DOT_PRECISION=precision, **launch)
         config = _gemv_tuned.best_config  # the config this very launch ran
     else:
         _gemv_kernel[grid](*args, DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
-                           num_stages=config.num_stages)
+                           num_stages=config.num_stages, **launch)
     split_k = config.kwargs["SPLIT_K"]
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
-                                                             SPLIT_K=split_k, BLOCK=_SUM_BLOCK)
+                                                             SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)
     return out
 
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from shared.triton_support import require_triton, tl, triton
+from shared.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 # Tokens per inner-loop iteration: several 16-token pages per tl.dot keeps the tensor cores busy.
@@ -55,8 +55,9 @@ if triton is not None:
         stride_pt,
         num_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -110,8 +111,9 @@ if triton is not None:
         m_ptr, l_ptr, acc_ptr, out_ptr,
         num_splits, num_heads,
         stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
@@ -192,13 +194,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PAGE_SIZE=page_size, BLOCK_N=_BLOCK_N,
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_options(q.device),
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](
         m, l, acc, out,
         num_splits, num_heads,
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        num_warps=4,
+        num_warps=4, **pdl_options(q.device),
     )
     return out
