@@ -109,19 +109,22 @@ def handoff_report(runs: dict[int, list[dict]], timings: dict[str, dict]) -> lis
     return report
 
 
-def gpu_stack_settings(model: str, shared_weights: bool = True) -> dict[str, str]:
-    """The stack's settings on one GPU (sized for the 8B model on an H200); the serving benchmark's too."""
+def gpu_stack_settings(model: str, services: tuple[str, ...], shared_weights: bool = True) -> dict[str, str]:
+    """The stack's settings on one GPU (sized for the 8B model on an H200); the serving benchmark's too.
+    A decode process of its own maps the prefill's weights (if shared_weights) and spins when idle."""
+    separate_decode = "decode" in services
     return {"PDSERVE_MODEL_PATH": model, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "bfloat16",
             "PDSERVE_KV_PREFILL_PAGES": "6144", "PDSERVE_KV_DECODE_PAGES": "8192",
             "PDSERVE_PREFILL_CHUNK_TOKENS": "8192", "PDSERVE_DECODE_MAX_BATCH_SIZE": "128",
             "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1,2,4,8,16,32,64,128",
-            "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if shared_weights else ""}
+            "PDSERVE_DECODE_IDLE_SPIN_S": "1.0" if separate_decode else "0",
+            "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if shared_weights and separate_decode else ""}
 
 
 def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool = False) -> dict:
     """colocated: the router and services/colocated (one process, one copy of the weights)."""
-    settings = gpu_stack_settings(model, shared_weights and not colocated)
     services = ("router", "colocated") if colocated else SERVICES
+    settings = gpu_stack_settings(model, services, shared_weights)
     with tempfile.TemporaryDirectory() as workdir, ServiceStack(Path(workdir), CACHE_DIR, services=services,
                                                                 start_timeout_s=600, **settings) as stack:
         pids = {name: p.pid for name, p in stack.processes.items()}

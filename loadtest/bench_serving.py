@@ -120,8 +120,7 @@ def measure(mode: Mode, workloads: list[Workload], work: Path, args, clock: Cloc
 
 def stack_settings(args, mode: Mode) -> dict[str, str]:
     if args.gpu:
-        # The decode maps the prefill's weights where both exist as processes.
-        return gpu_stack_settings(args.model, shared_weights="decode" in mode.services)
+        return gpu_stack_settings(args.model, mode.services)
     return {"PDSERVE_MODEL_PATH": args.model}
 
 

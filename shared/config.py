@@ -138,6 +138,13 @@ class DecodeConfig:
     cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(
         lambda v: all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")) if v else True,
         "must be a comma-separated list of positive batch sizes"))
+    # Seconds the decode keeps polling for work without sleeping after its last step. A request
+    # arriving meanwhile does not wait for a sleeping thread to wake up, a good part of the KV
+    # handoff on the H200 host (docs/BENCHMARKS.md). It costs one of the decode's cores while it
+    # spins: worth it for a GPU decode on cores of its own; not on the CPU, where the models
+    # compute on those cores, nor in services.colocated, where the spin would hold the GIL its
+    # prefill thread needs.
+    idle_spin_s: float = field(default=0.0, metadata=_check(lambda v: v >= 0, "must be >= 0"))
     # Also services.colocated's one endpoint: Prometheus' registry is per process, so a second
     # endpoint for its prefill would serve the same series again.
     metrics_address: str = _metrics_address("127.0.0.1:9402")
@@ -186,6 +193,9 @@ class Config:
         if service == "colocated" and self.decode.weights_from:
             raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
                               "decode share one model already")
+        if service == "colocated" and self.decode.idle_spin_s:
+            raise ConfigError("decode.idle_spin_s must be 0 in services.colocated: a spinning decode thread "
+                              "would hold the GIL its prefill thread needs")
         endpoint = router.zmq_endpoint()
         curve = endpoint.startswith("tcp://")
         if curve and not zmq.has("curve"):

@@ -165,3 +165,12 @@ def test_colocated_refuses_mapping_weights_it_already_shares():
     config.validate_service("decode")
     with pytest.raises(ConfigError, match="decode.weights_from"):
         config.validate_service("colocated")
+
+
+def test_colocated_refuses_a_spinning_decode():
+    config = load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "0.5"})
+    config.validate_service("decode")
+    with pytest.raises(ConfigError, match="decode.idle_spin_s"):
+        config.validate_service("colocated")
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "-1"})

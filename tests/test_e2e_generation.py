@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.v1 import generation_pb2
+
+from tests.conftest import CACHE_DIR
+from tests.stack import ServiceStack
 
 pytestmark = pytest.mark.e2e
 
@@ -234,3 +238,25 @@ def test_a_prompt_waiting_behind_another_counts_the_wait_as_prefill_queue(stack)
     with ThreadPoolExecutor(2) as pool:
         first, second = sorted(pool.map(timings, prompts), key=lambda t: t.prefill_queue_s)
     assert second.prefill_queue_s >= 0.5 * first.prefill_compute_s > 0
+
+
+def _cpu_seconds(pid: int, window_s: float) -> float:
+    """CPU time (user + system) the process uses over the next window_s."""
+    def used() -> float:
+        fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    before = used()
+    time.sleep(window_s)
+    return used() - before
+
+
+def test_a_decode_with_idle_spin_polls_after_its_work_and_sleeps_after_that(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_DECODE_IDLE_SPIN_S="1.5") as stack:
+        decode = stack.processes["decode"].pid
+        asleep_before = _cpu_seconds(decode, 0.5)  # no step yet: nothing to spin after
+        request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=4, ignore_eos=True, temperature=0)
+        assert sum(len(c.token_ids) for c in stack.stub.Generate(request, timeout=60)) == 4
+        spinning = _cpu_seconds(decode, 0.5)
+        time.sleep(1.5)
+        asleep_after = _cpu_seconds(decode, 0.5)
+    assert spinning > 0.2 and asleep_before < 0.1 and asleep_after < 0.1, (asleep_before, spinning, asleep_after)

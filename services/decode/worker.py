@@ -67,6 +67,7 @@ class DecodeWorker:
         self.stopping = worker.stopping
         self.notify = worker.notify
         self.max_batch_size = config.decode.max_batch_size
+        self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
         # One page more than the allocator hands out: the CUDA graphs' padding rows write there.
         layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size,
@@ -115,9 +116,13 @@ class DecodeWorker:
             self._shutdown()
 
     def _loop(self) -> None:
+        last_busy = 0.0
         while not self.stopping.is_set():
             self.notify.watchdog()
-            self.link.dispatch(self.handlers, timeout_s=0 if self.running or self.puller.copying else 0.1)
+            now = time.monotonic()
+            if self.running or self.puller.copying:
+                last_busy = now
+            self.link.dispatch(self.handlers, timeout_s=0 if now - last_busy < self.idle_spin_s else 0.1)
             self._acknowledge_pulls()
             while self.waiting and len(self.running) < self.max_batch_size:
                 self.running.append(self.waiting.popleft())
