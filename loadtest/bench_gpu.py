@@ -202,6 +202,8 @@ def main() -> None:
     parser.add_argument("--linear-rows", default="1,8", help="batch sizes of the per-weight cuBLAS/GEMV comparison")
     parser.add_argument("--cublas-batches", default="1,8",
                         help="batch sizes whose decode step is also timed with cuBLAS for every matmul; empty: skip")
+    parser.add_argument("--gemv-batches", default="1,8",
+                        help="batch sizes whose decode step is also timed with the Triton GEMV for every matmul")
     parser.add_argument("--no-pdl-batches", default="1,8",
                         help="batch sizes whose decode step is also timed without programmatic dependent launch")
     parser.add_argument("--out")
@@ -236,6 +238,10 @@ def main() -> None:
         model.linears = LinearChooser("cublas")
         report["decode_cublas_only"] = bench_decode(model, ints(args.cublas_batches), ints(args.contexts),
                                                     bandwidth, int(free * 0.85))
+    if args.gemv_batches:  # every matmul on the GEMV: the chain of PDL launches is never broken by cuBLAS
+        model.linears = LinearChooser("gemv")
+        report["decode_gemv_only"] = bench_decode(model, ints(args.gemv_batches), ints(args.contexts),
+                                                  bandwidth, int(free * 0.85))
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     text = json.dumps(report, indent=2)
     print(text)

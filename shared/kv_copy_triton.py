@@ -9,6 +9,8 @@ mapped through CUDA IPC; the pools may differ in page count, so each has its own
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shared.triton_support import require_triton, tl, triton
@@ -32,20 +34,28 @@ if triton is not None:
             tl.store(dst_base + idx, tl.load(src_base + idx, mask=mask), mask=mask)
 
 
+def as_integers(kv: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers of the same size: the copy moves bits, never converts floats."""
+    return kv.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[kv.element_size()])
+
+
 def copy_pages(src_kv: torch.Tensor, dst_kv: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """src_kv/dst_kv: pools' [2 * layers, pages, page_size, kv_heads, head_dim] views (contiguous
-    pages, any shard stride); src_ids/dst_ids: page ids of equal length on the pools' device."""
+    pages, any shard stride) as_integers(); src_ids/dst_ids: page ids of equal length, on the
+    pools' device or in pinned host memory, which the kernel reads over PCIe.
+
+    Nothing here but the launch calls into torch: the decode calls it when a request arrives,
+    when each torch call costs tens of µs (services/decode/handoff.py)."""
     require_triton("copy_pages")
     if src_kv.shape[0] != dst_kv.shape[0] or src_kv.shape[2:] != dst_kv.shape[2:] or src_kv.dtype != dst_kv.dtype:
         raise ValueError("pools of different layouts")
+    if src_kv.dtype.is_floating_point:
+        raise ValueError("pass the pools' KV as_integers()")
     if len(src_ids) != len(dst_ids):
         raise ValueError("as many source as destination pages")
     if len(src_ids) == 0:
         return
-    page_elems = src_kv[0, 0].numel()
-    # Byte-exact copy through an integer view: no float conversions, any dtype.
-    carrier = {1: torch.int8, 2: torch.int16, 4: torch.int32}[src_kv.element_size()]
     _copy_pages_kernel[(src_kv.shape[0], len(src_ids))](
-        src_kv.view(carrier), dst_kv.view(carrier), src_ids, dst_ids, src_kv.stride(0), dst_kv.stride(0),
-        page_elems, BLOCK=_BLOCK,
+        src_kv, dst_kv, src_ids, dst_ids, src_kv.stride(0), dst_kv.stride(0), math.prod(src_kv.shape[2:]),
+        BLOCK=_BLOCK,
     )

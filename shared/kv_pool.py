@@ -54,6 +54,7 @@ class PagedKvPool:
             (2 * layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
             (layout.shard_stride_bytes // item, page, layout.num_kv_heads * layout.head_dim, layout.head_dim, 1),
         )
+        self.kv_bits = kv_copy_triton.as_integers(self.kv)  # what the page copy moves
 
     def key(self, layer: int) -> torch.Tensor:
         return self.kv[2 * layer]
@@ -69,7 +70,7 @@ class PagedKvPool:
         gather and scatter of whole contiguous pages per shard, rather than one advanced index
         over the strided [shards, pages, ...] view, which copies element by element."""
         if self.kv.is_cuda:
-            kv_copy_triton.copy_pages(src.kv, self.kv, src_pages, dst_pages)
+            kv_copy_triton.copy_pages(src.kv_bits, self.kv_bits, src_pages, dst_pages)
         else:
             for to, source in zip(self.kv.flatten(2), src.kv.flatten(2)):
                 to.index_copy_(0, dst_pages, source.index_select(0, src_pages))

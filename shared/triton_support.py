@@ -55,7 +55,7 @@ def pdl_options(device: torch.device) -> dict:
     return {"USE_PDL": False}
 
 
-wait_for_previous_kernel = prefetch_to_l2 = None
+wait_for_previous_kernel = None
 if triton is not None:
 
     @triton.jit
@@ -63,9 +63,3 @@ if triton is not None:
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def prefetch_to_l2(pointers):
-        """Starts loading the cache lines of `pointers` into L2 and returns at once (CUDA only)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers],
-                                  dtype=tl.int32, is_pure=False, pack=1)

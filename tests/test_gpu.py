@@ -67,7 +67,7 @@ def _pool_message(handle):
 def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     """A decode's pulls queued behind 0.2 s of other device work: landed() reports none before the
     copies ran, then dates each after the stall, not at its launch. The third pull wraps the
-    page-id staging buffer while the uploads from it still wait; unmapping the pool waits for the
+    page-id staging buffer while the copies reading it still wait; unmapping the pool waits for the
     copies still reading it."""
     from shared import wire
     from shared.kv_share import export_pool

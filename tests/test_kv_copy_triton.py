@@ -25,7 +25,7 @@ def test_copy_pages_matches_torch_and_touches_nothing_else(dtype):
     dst.kv.fill_(float("nan"))
     src_ids = torch.tensor([9, 2, 5, 0], device=DEVICE)
     dst_ids = torch.tensor([6, 0, 3, 1], device=DEVICE)
-    copy_pages(src.kv, dst.kv, src_ids, dst_ids)
+    copy_pages(src.kv_bits, dst.kv_bits, src_ids, dst_ids)
     assert torch.equal(dst.kv[:, dst_ids], src.kv[:, src_ids])  # bit-identical
     untouched = [p for p in range(dst_layout.num_pages) if p not in dst_ids.tolist()]
     assert torch.isnan(dst.kv[:, untouched].float()).all()
@@ -34,5 +34,22 @@ def test_copy_pages_matches_torch_and_touches_nothing_else(dtype):
 def test_copy_pages_refuses_other_layouts():
     a, _ = allocate_local_pool(make_layout(2, 4, 16, 2, 64, torch.float32), DEVICE)
     b, _ = allocate_local_pool(make_layout(2, 4, 16, 2, 128, torch.float32), DEVICE)
-    with pytest.raises(ValueError):
-        copy_pages(a.kv, b.kv, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="different layouts"):
+        copy_pages(a.kv_bits, b.kv_bits, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="as_integers"):
+        copy_pages(a.kv, a.kv, torch.tensor([0]), torch.tensor([1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_pages_reads_page_ids_from_pinned_host_memory():
+    """The decode's pull passes its ids in pinned host memory, which the kernel reads over PCIe."""
+    layout = make_layout(2, 8, 16, 2, 64, torch.bfloat16)
+    src, _ = allocate_local_pool(layout, "cuda")
+    dst, _ = allocate_local_pool(layout, "cuda")
+    src.kv.copy_(torch.randn(src.kv.shape, dtype=torch.bfloat16))
+    dst.kv.zero_()
+    ids = torch.tensor([7, 1, 4, 2, 5, 6], dtype=torch.int64).pin_memory()
+    copy_pages(src.kv_bits, dst.kv_bits, ids[:3], ids[3:])
+    torch.cuda.synchronize()
+    assert torch.equal(dst.kv[:, [2, 5, 6]], src.kv[:, [7, 1, 4]])

@@ -50,44 +50,38 @@ class _Copying:
 
 
 class PageIdStaging:
-    """The two page-id lists of a pull in one reused buffer, sent to a GPU in one asynchronous
-    copy from pinned memory.
+    """The two page-id lists of a pull in one reused buffer of pinned host memory, which the copy
+    kernel reads in place: a GPU reads pinned memory over PCIe, and a pull's ids are a few KiB.
 
-    torch.tensor(list, device="cuda") converts id by id in Python and copies from pageable memory,
-    which waits for the stream, and so for every copy queued on it; numpy fills a view of the
-    buffer in one call. Pulls take consecutive slices; only a full buffer makes the host wait, for
-    the last upload from it (uploads run in stream order, so then all are done). The device's
-    slices are rewritten in stream order too, after the copies that read them.
+    Numpy fills a view of the buffer in one call; nothing is uploaded and no event recorded,
+    because when a request reaches a decode that sat idle, each torch call costs tens of µs on
+    the H200 host, and an upload took several. Pulls take consecutive slices. A slice is rewritten
+    only after the copy that reads it: a full buffer makes the host wait for the last copy (they
+    run in stream order, so then all are done).
     """
 
     def __init__(self, capacity: int, device: torch.device):
-        on_gpu = device.type == "cuda"
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=on_gpu)
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.ids = self.host.numpy()
-        self.on_device = torch.empty(capacity, dtype=torch.int64, device=device) if on_gpu else self.host
-        self.uploaded = torch.cuda.Event() if on_gpu else None
         self.used = 0
+        self.last_reader: torch.cuda.Event | None = None  # recorded after the latest copy that read ids
 
     def stage(self, src: np.ndarray, dst: list[int], src_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both id lists as index tensors on the device; ValueError unless every src id is in
+        """Both id lists as index tensors for the copy; ValueError unless every src id is in
         [0, src_limit)."""
         n = len(src)
         if len(dst) != n or 2 * n > len(self.ids):
             raise ValueError(f"{n} source and {len(dst)} destination pages do not fit a buffer of {len(self.ids)}")
         if self.used + 2 * n > len(self.ids):
-            if self.uploaded is not None:
-                self.uploaded.synchronize()
+            if self.last_reader is not None:
+                self.last_reader.synchronize()
             self.used = 0
         start, self.used = self.used, self.used + 2 * n
         ids = self.ids[start: self.used]
         ids[:n], ids[n:] = src, dst
         if n and (ids[:n].min() < 0 or ids[:n].max() >= src_limit):
             raise ValueError(f"source page ids outside [0, {src_limit})")
-        staged = self.on_device[start: self.used]
-        if self.uploaded is not None:
-            staged.copy_(self.host[start: self.used], non_blocking=True)
-            self.uploaded.record()
-        return staged[:n], staged[n:]
+        return self.host[start: start + n], self.host[start + n: self.used]
 
 
 class KvPuller:
@@ -141,6 +135,7 @@ class KvPuller:
         if src.is_cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
+            self.staging.last_reader = done
             self._copying.append(_Copying(task.request_id, task.prefill_worker_id, started_at, done))
         else:
             landed_at = time.time()

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from shared.triton_support import pdl_options, prefetch_to_l2, require_triton, tl, triton, wait_for_previous_kernel
+from shared.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -31,9 +31,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 # Columns per program of the split-K sum.
 _SUM_BLOCK = 1024
-# With programmatic dependent launch, each program prefetches its first blocks of the weight to
-# L2 before waiting for the kernel before it.
-_PREFETCH_BLOCKS = tl.constexpr(2) if tl is not None else None
 # Autotuning runs once per shape at start-up; a short timing per config is enough to rank them.
 _TUNE_WARMUP_MS, _TUNE_REP_MS = 5, 25
 
@@ -64,8 +61,9 @@ if triton is not None:
         stride_xm, stride_wn, stride_om,
         DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_PDL: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         split = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -79,13 +77,6 @@ if triton is not None:
         x_rows = x_ptr + m[:, None] * stride_xm
         row_mask = rows[:, None] < N
         m_mask = m[:, None] < M
-        if USE_PDL:  # see shared/triton_support.py
-            tl.extra.cuda.gdc_launch_dependents()
-            # The weight does not depend on the kernel before, only x does: start pulling this
-            # program's first blocks of it into L2 while that kernel finishes.
-            lines = tl.minimum(k_begin + tl.arange(0, _PREFETCH_BLOCKS * BLOCK_K // LINE_ELEMS) * LINE_ELEMS, k_end - 1)
-            prefetch_to_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + lines[None, :])
-            tl.extra.cuda.gdc_wait()
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
@@ -201,13 +192,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
         return triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"]
 
     launch = pdl_options(x.device)
-    line_elems = 128 // x.element_size()  # elements per 128-byte cache line
     if config is None:
-        _gemv_tuned[grid](*args, DOT_PRECISION=precision, LINE_ELEMS=line_elems, **launch)
+        _gemv_tuned[grid](*args, DOT_PRECISION=precision, **launch)
         config = _gemv_tuned.best_config  # the config this very launch ran
     else:
         _gemv_kernel[grid](*args, DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
-                           num_stages=config.num_stages, LINE_ELEMS=line_elems, **launch)
+                           num_stages=config.num_stages, **launch)
     split_k = config.kwargs["SPLIT_K"]
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
