@@ -88,9 +88,9 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         from shared.messages import DecodeTask, SamplingParams, StopParams
         handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
         shape = handle.layout
-        local, _ = allocate_local_pool(make_layout(shape.num_layers, 256, shape.page_size, shape.num_kv_heads,
+        local, _ = allocate_local_pool(make_layout(shape.num_layers, 257, shape.page_size, shape.num_kv_heads,
                                                    shape.head_dim, torch.bfloat16), "cuda:0")
-        puller = KvPuller(local)  # stages up to 2 x 256 page ids
+        puller = KvPuller(local, 256)  # stages up to 2 x 257 + 2 page ids
         puller.map_pool("prefill-test", handle)
 
         def pull(request_id, src, dst):

@@ -14,6 +14,7 @@ from shared.kv_share import export_pool
 from shared.messages import DecodeTask, SamplingParams, StopParams
 
 PAGE_SIZE = 4
+SCRATCH = 6  # the local pool's last page; pulls use pages 0-5
 SPEC = dict(num_layers=2, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
@@ -27,9 +28,9 @@ def prefill():
 
 @pytest.fixture
 def puller(prefill):
-    local, buffer = allocate_local_pool(make_layout(num_pages=6, **SPEC), "cpu")
+    local, buffer = allocate_local_pool(make_layout(num_pages=SCRATCH + 1, **SPEC), "cpu")
     local.kv.fill_(-7.0)
-    puller = KvPuller(local)
+    puller = KvPuller(local, SCRATCH)
     puller.map_pool("prefill-0", prefill.handle)
     yield puller
     puller.close()
@@ -60,7 +61,12 @@ def test_page_ids_outside_the_prefill_pool_are_refused(puller, src_pages):
     with pytest.raises(HandoffError):
         puller.pull(task(src_pages, num_tokens=2 * PAGE_SIZE), [0, 1])
     assert puller.landed() == []
-    assert torch.all(puller.local.kv == -7.0)
+    assert torch.all(puller.local.kv[:, :SCRATCH] == -7.0)
+
+
+def test_mapping_a_pool_copies_one_page_into_the_scratch_page_only(prefill, puller):
+    assert torch.equal(puller.local.kv[:, SCRATCH], prefill.pool.kv[:, 0])
+    assert torch.all(puller.local.kv[:, :SCRATCH] == -7.0)
 
 
 def test_a_prefill_that_is_not_mapped_is_refused(puller):
@@ -70,7 +76,8 @@ def test_a_prefill_that_is_not_mapped_is_refused(puller):
 
 
 def test_pulls_past_the_staging_buffer_wrap_around(prefill, puller):
-    """The ids of a pull take the next slice of a reused buffer (room for 2 x 6 ids here)."""
+    """The ids of a pull take the next slice of a reused buffer (room for 16 ids here, 4 taken by
+    the copy at mapping)."""
     for i, (src, dst) in enumerate([([1, 2, 3], [0, 1, 2]), ([4, 5], [3, 4]), ([6, 7, 8, 9], [5, 0, 1, 2])]):
         puller.pull(task(src, num_tokens=len(src) * PAGE_SIZE, request_id=f"r{i}"), dst)
         assert torch.equal(puller.local.kv[:, dst], prefill.pool.kv[:, src])

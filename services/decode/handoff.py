@@ -57,7 +57,8 @@ class PageIdStaging:
     because when a request reaches a decode that sat idle, each torch call costs tens of µs on
     the H200 host, and an upload took several. Pulls take consecutive slices. A slice is rewritten
     only after the copy that reads it: a full buffer makes the host wait for the last copy (they
-    run in stream order, so then all are done).
+    run in stream order, so then all are done). Every list starts 16-byte aligned: Triton compiles
+    a kernel per alignment of its pointers, and a compile on a request's path stalls it.
     """
 
     def __init__(self, capacity: int, device: torch.device):
@@ -70,26 +71,31 @@ class PageIdStaging:
         """Both id lists as index tensors for the copy; ValueError unless every src id is in
         [0, src_limit)."""
         n = len(src)
-        if len(dst) != n or 2 * n > len(self.ids):
+        slot = n + n % 2  # two int64 ids are 16 bytes
+        if len(dst) != n or 2 * slot > len(self.ids):
             raise ValueError(f"{n} source and {len(dst)} destination pages do not fit a buffer of {len(self.ids)}")
-        if self.used + 2 * n > len(self.ids):
+        if self.used + 2 * slot > len(self.ids):
             if self.last_reader is not None:
                 self.last_reader.synchronize()
             self.used = 0
-        start, self.used = self.used, self.used + 2 * n
-        ids = self.ids[start: self.used]
-        ids[:n], ids[n:] = src, dst
-        if n and (ids[:n].min() < 0 or ids[:n].max() >= src_limit):
+        src_at, dst_at = self.used, self.used + slot
+        self.used += 2 * slot
+        self.ids[src_at: src_at + n], self.ids[dst_at: dst_at + n] = src, dst
+        if n and (self.ids[src_at: src_at + n].min() < 0 or self.ids[src_at: src_at + n].max() >= src_limit):
             raise ValueError(f"source page ids outside [0, {src_limit})")
-        return self.host[start: start + n], self.host[start + n: self.used]
+        return self.host[src_at: src_at + n], self.host[dst_at: dst_at + n]
 
 
 class KvPuller:
-    def __init__(self, local: PagedKvPool):
+    def __init__(self, local: PagedKvPool, scratch_page: int):
+        """scratch_page: a page of local that the puller may overwrite. Each newly mapped pool is
+        copied into it once, so that the copy kernel is compiled for that pool before a request
+        needs it (a compile takes hundreds of ms)."""
         self.local = local
+        self.scratch_page = scratch_page
         self.mapped: dict[str, tuple[KvPoolHandle, object]] = {}
         # A pull's destination pages are ours, so the pool's page count bounds every list.
-        self.staging = PageIdStaging(2 * local.layout.num_pages, local.kv.device)
+        self.staging = PageIdStaging(2 * local.layout.num_pages + 2, local.kv.device)
         self._copying: list[_Copying] = []
         self._landed: list[Landed] = []
 
@@ -107,7 +113,12 @@ class KvPuller:
         if (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
                 local.num_layers, local.page_size, local.num_kv_heads, local.head_dim, local.dtype):
             raise HandoffError(f"pool of {prefill_worker_id} has layout {layout}, ours is {local}")
-        self.mapped[prefill_worker_id] = (handle, map_pool(handle, self.local.kv.device))
+        mapped = map_pool(handle, self.local.kv.device)
+        self.mapped[prefill_worker_id] = (handle, mapped)
+        src, dst = self.staging.stage(np.zeros(1, dtype=np.int64), [self.scratch_page], layout.num_pages)
+        self.local.copy_pages_from(mapped.pool, src, dst)
+        if self.local.kv.is_cuda:  # done: nothing reads the ids' slot or (after an unmap) the mapping
+            torch.cuda.current_stream().synchronize()
         log.info("mapped prefill pool", prefill=prefill_worker_id, pages=layout.num_pages)
 
     def unmap_pool(self, prefill_worker_id: str) -> None:
@@ -132,7 +143,7 @@ class KvPuller:
         except ValueError as exc:  # WireError is one
             raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
         self.local.copy_pages_from(entry[1].pool, src, dst)
-        if src.is_cuda:
+        if self.local.kv.is_cuda:  # the ids are in host memory either way
             done = torch.cuda.Event(enable_timing=True)
             done.record()
             self.staging.last_reader = done

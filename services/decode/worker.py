@@ -69,13 +69,14 @@ class DecodeWorker:
         self.max_batch_size = config.decode.max_batch_size
         self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
-        # One page more than the allocator hands out: the CUDA graphs' padding rows write there.
+        # One page more than the allocator hands out: the CUDA graphs' padding rows write there,
+        # and the puller's copy of a newly mapped pool.
         layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages
-        self.puller = KvPuller(self.pool)
+        self.puller = KvPuller(self.pool, self.scratch_page)
         self.stream = worker_stream(model.device, high_priority=True)
         # The most pages one request can hold: its whole context, within the pool.
         max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
