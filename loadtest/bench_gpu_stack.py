@@ -121,7 +121,7 @@ def gpu_stack_settings(model: str, services: tuple[str, ...], shared_weights: bo
             "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if shared_weights and separate_decode else ""}
 
 
-def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool = False) -> dict:
+def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool = False, repeats: int = 5) -> dict:
     """colocated: the router and services/colocated (one process, one copy of the weights)."""
     services = ("router", "colocated") if colocated else SERVICES
     settings = gpu_stack_settings(model, services, shared_weights)
@@ -134,7 +134,7 @@ def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool =
             from shared.model.loader import load_hf_config
 
             vocab = load_hf_config(model).vocab_size
-            runs = asyncio.run(handoffs(stack.address, vocab, [1024, 4096, 8192, 16384, 32768]))
+            runs = asyncio.run(handoffs(stack.address, vocab, [1024, 4096, 8192, 16384, 32768], repeats))
             result["throughput"] = asyncio.run(throughput(stack.address, vocab, 64, 1024, 128))
             result["gpu_memory_mib_after_load"] = gpu_memory_mib(pids)
             time.sleep(1.0)  # the router logs a request's line when its stream closes
@@ -172,12 +172,15 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--skip-separate", action="store_true", help="skip the memory run without shared weights")
     parser.add_argument("--colocated", action="store_true", help="also measure the colocated mode")
+    parser.add_argument("--handoff-repeats", type=int, default=5, help="requests per prompt length")
     parser.add_argument("--out")
     args = parser.parse_args()
-    report = {"model": args.model, "shared": run_stack(args.model, shared_weights=True, measure=True)}
+    report = {"model": args.model, "shared": run_stack(args.model, shared_weights=True, measure=True,
+                                                          repeats=args.handoff_repeats)}
     print(json.dumps(report["shared"]), file=sys.stderr)
     if args.colocated:
-        report["colocated"] = run_stack(args.model, shared_weights=False, measure=True, colocated=True)
+        report["colocated"] = run_stack(args.model, shared_weights=False, measure=True, colocated=True,
+                                         repeats=args.handoff_repeats)
         print(json.dumps(report["colocated"]), file=sys.stderr)
     if not args.skip_separate:
         report["separate"] = run_stack(args.model, shared_weights=False, measure=False)
