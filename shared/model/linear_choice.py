@@ -5,10 +5,7 @@ call with a new (rows, N, K, dtype) times both on the GPU and keeps the winner f
 process. The GEMV has to win by a margin, so a choice is never slower than cuBLAS beyond timing
 noise. The timing reproduces a decode step: the calls run back to back in a CUDA graph (no host
 launch gaps) and rotate over copies of the weight that overflow the L2 cache (in a step, every
-other layer's weights pass through L2 between two reads of this one). Each call is followed by
-a small Triton kernel that reads its output, as the step's fused kernels do: with programmatic
-dependent launch (shared/triton_support.py) the GEMV overlaps its neighbours' launches, while
-cuBLAS, launched without it, waits for the kernel before it to drain and makes the next wait.
+other layer's weights pass through L2 between two reads of this one).
 
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
 the warm-up steps of services/decode/cuda_graphs.py make every choice (and the GEMV's autotuning)
@@ -25,7 +22,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from shared.model import fused_triton, gemv_triton
+from shared.model import gemv_triton
 
 log = structlog.get_logger()
 
@@ -45,7 +42,7 @@ class Choice:
     n: int
     k: int
     dtype: str
-    cublas_ms: float  # each with the small kernel after it (_then_a_small_kernel)
+    cublas_ms: float
     gemv_ms: float
     use_gemv: bool
 
@@ -82,18 +79,13 @@ class LinearChooser:
         return choice.use_gemv
 
     def _time_both(self, x: torch.Tensor, weight: torch.Tensor) -> Choice:
-        cublas_ms = time_per_call_ms(lambda w: _then_a_small_kernel(F.linear(x, w)), weight)
-        gemv_ms = time_per_call_ms(lambda w: _then_a_small_kernel(gemv_triton.gemv(x, w)), weight)
+        cublas_ms = time_per_call_ms(lambda w: F.linear(x, w), weight)
+        gemv_ms = time_per_call_ms(lambda w: gemv_triton.gemv(x, w), weight)
         choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), cublas_ms, gemv_ms,
                         use_gemv=gemv_ms < (1 - _MIN_GAIN) * cublas_ms)
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k, cublas_us=round(cublas_ms * 1e3, 1),
                  gemv_us=round(gemv_ms * 1e3, 1), backend="triton-gemv" if choice.use_gemv else "cublas")
         return choice
-
-
-def _then_a_small_kernel(out: torch.Tensor) -> torch.Tensor:
-    """A small Triton kernel that reads out, as the step's next fused kernel does."""
-    return fused_triton.silu_and_mul(out[:, : out.shape[1] // 2 * 2])
 
 
 def time_per_call_ms(fn: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> float:
