@@ -163,3 +163,14 @@ def test_sigterm_fails_in_flight_requests_explicitly_and_exits_zero(stack, victi
     assert stack.processes[victim].wait(timeout=30) == 0
     assert not [s for s in stack.shm_segments()
                 if s.endswith(f"-{stack.processes[victim].pid}")], "the stopped worker's pool is gone"
+
+
+def test_a_prefill_busy_for_longer_than_the_heartbeat_timeout_stays_registered(stack):
+    """The heartbeat thread borrows the worker's socket while its main thread computes: a prompt
+    that keeps the prefill busy for several heartbeat timeouts (1.5 s) neither drops it nor fails."""
+    started = time.monotonic()
+    request = generation_pb2.GenerateRequest(prompt_token_ids=[1000 + i % 5000 for i in range(4000)], max_tokens=2,
+                                             ignore_eos=True, temperature=0)
+    assert _tokens(stack.stub, request, timeout=120) == 2
+    assert time.monotonic() - started > 3.0, "the prompt must outlast two heartbeat timeouts for this to test anything"
+    assert '"dropping worker"' not in stack.log_path("router").read_text()
