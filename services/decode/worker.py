@@ -54,6 +54,15 @@ from shared.worker_main import Worker
 log = structlog.get_logger()
 
 
+IDLE_WAIT_S = 0.1  # an idle loop's longest wait for a message (it also pings the watchdog)
+
+
+def receive_timeout_s(busy: bool, idle_for_s: float, idle_spin_s: float) -> float:
+    """How long the loop may wait for messages: not at all while it has work, nor while it
+    spins after its last work (decode.idle_spin_s)."""
+    return 0.0 if busy or idle_for_s < idle_spin_s else IDLE_WAIT_S
+
+
 class WeightsOwnerGone(RuntimeError):
     """Exits the decode (its supervisor restarts it once the prefill is back)."""
 
@@ -117,13 +126,14 @@ class DecodeWorker:
             self._shutdown()
 
     def _loop(self) -> None:
-        last_busy = 0.0
+        last_busy = float("-inf")
         while not self.stopping.is_set():
             self.notify.watchdog()
             now = time.monotonic()
-            if self.running or self.puller.copying:
+            busy = bool(self.running or self.puller.copying)
+            if busy:
                 last_busy = now
-            self.link.dispatch(self.handlers, timeout_s=0 if now - last_busy < self.idle_spin_s else 0.1)
+            self.link.dispatch(self.handlers, timeout_s=receive_timeout_s(busy, now - last_busy, self.idle_spin_s))
             self._acknowledge_pulls()
             while self.waiting and len(self.running) < self.max_batch_size:
                 self.running.append(self.waiting.popleft())
