@@ -93,7 +93,8 @@ class RouterLink:
     def close(self, linger_s: float = 1.0) -> None:
         """Deregisters, flushes what was sent (up to linger_s) and closes the socket."""
         self._closing.set()
-        self._beater.join()
+        if self._beater.ident is not None:  # started
+            self._beater.join()
         self.send(Deregister(self._worker_id))
         self._socket.close(linger=int(linger_s * 1000))
         self._context.term()

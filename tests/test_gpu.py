@@ -94,8 +94,8 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         puller.map_pool("prefill-test", handle)
 
         def pull(request_id, src, dst):
-            task = DecodeTask(request_id, "prefill-test", wire.pack_page_ids(list(src)), 16 * len(src), 7, SamplingParams(0, 1, 0, 0),
-                              StopParams(4, True))
+            task = DecodeTask(request_id, "prefill-test", wire.pack_page_ids(list(src)), 16 * len(src), 7,
+                              SamplingParams(0, 1, 0, 0), StopParams(4, True))
             puller.pull(task, list(dst))
 
         pull("warm-up", [0], [0])  # compiles the kernel before the clock starts
@@ -175,7 +175,8 @@ def test_programmatic_launch_leaves_the_step_bit_identical():
         length = 5 + 37 * i
         pages = allocator.allocate(pages_for(length + 8, 16))
         model.prefill([3 + (7 * j + i) % 1000 for j in range(length)], pool, pages)
-        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0), StopParams(8, True)))
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
+                                        StopParams(8, True)))
     inputs = step_inputs(requests, 16, device)
     kv_before = pool.kv.clone()
     with_pdl = GraphedDecode(model, pool, scratch, 64, [16]).step(inputs).clone()

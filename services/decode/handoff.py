@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import structlog
 import numpy as np
+import structlog
 import torch
 
 from shared import wire
