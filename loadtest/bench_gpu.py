@@ -12,7 +12,7 @@ shared/model/linear_choice.py times them to choose between the two.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place, its
 Triton kernels launched with programmatic dependent launch (shared/triton_support.py); some
-batches are timed again without it and with cuBLAS for every matmul.
+batches are timed again without it, with cuBLAS for every matmul and with the GEMV for every one.
 """
 
 from __future__ import annotations
