@@ -106,7 +106,7 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         pull("a", range(100, 228), range(0, 128))
         pull("b", range(300, 364), range(128, 192))
         assert puller.copying and puller.landed() == [], "reported before the device copied"
-        pull("c", range(380, 508), range(128, 256))  # its ids overwrite a's slice: a's upload must be done
+        pull("c", range(380, 508), range(128, 256))  # its ids overwrite a's slice: a's copy must be done
         puller.unmap_pool("prefill-test")
         landed = puller.landed()
         seen = time.time()
