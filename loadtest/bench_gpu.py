@@ -7,8 +7,8 @@ Everything is measured in one run beside its physical limit, measured in the sam
   so a decode step's floor is (weight bytes + KV bytes it must read) / bandwidth;
 - the bf16 matmul rate (8192^3), so a prefill's efficiency is its model FLOPs / time / that rate;
 - transformers' own `generate` at batch 1 on the same weights, the baseline.
-Each weight shape of a decode step is also read by cuBLAS and by the Triton GEMV alone, timed as
-shared/model/linear_choice.py times them to choose between the two.
+Each weight shape of a decode step is also read by cuBLAS and by the fastest Triton GEMV config
+alone, timed as shared/model/linear_choice.py times them to choose.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place, its
 Triton kernels launched with programmatic dependent launch (shared/triton_support.py); some
@@ -18,7 +18,6 @@ batches are timed again without it, with cuBLAS for every matmul and with the GE
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import sys
@@ -134,25 +133,27 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
 
 
 def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> list[dict]:
-    """Each weight shape of a decode step, read by cuBLAS and by the Triton GEMV: weight bytes per
-    second, and that as a fraction of the copy bandwidth."""
+    """Each weight shape of a decode step, read by cuBLAS and by the fastest Triton GEMV config, as
+    the decode's LinearChooser times them: weight bytes per second, and that as a fraction of the
+    copy bandwidth."""
     layer = model.layers[0]
     weights = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down,
                "lm_head": model.lm_head}
+    chooser = LinearChooser()
     results = []
     for batch in rows:
         for name, weight in weights.items():
             x = torch.randn(batch, weight.shape[1], dtype=weight.dtype, device="cuda")
-            backends = {"cublas": functools.partial(F.linear, x)}
-            if gemv_triton.supports(x, weight):
-                backends["gemv"] = functools.partial(gemv_triton.gemv, x)
             entry = {"weight": name, "n": weight.shape[0], "k": weight.shape[1], "rows": batch}
-            for backend, fn in backends.items():
-                ms = time_per_call_ms(fn, weight)
+            if gemv_triton.supports(x, weight):
+                choice = chooser.choice(x, weight)
+                timed = {"cublas": choice.cublas_ms, "gemv": choice.gemv_ms}
+                entry["gemv_config"] = str(choice.gemv_config)
+            else:
+                timed = time_per_call_ms({"cublas": functools.partial(F.linear, x)}, weight)
+            for backend, ms in timed.items():
                 gbs = weight.numel() * weight.element_size() / (ms / 1e3) / 1e9
                 entry |= {f"{backend}_us": ms * 1e3, f"{backend}_gbs": gbs, f"{backend}_of_copy": gbs / bandwidth_gbs}
-            if "gemv" in backends:
-                entry["gemv_config"] = gemv_triton.last_tuned_config()
             results.append(entry)
     return results
 
@@ -228,7 +229,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))
-    report["linear_choices"] = [dataclasses.asdict(c) for c in model.linears.choices.values()]
+    report["linear_choices"] = [vars(c) | {"gemv_config": str(c.gemv_config)}
+                                for c in model.linears.choices.values()]
     if args.no_pdl_batches:  # the same steps, each kernel launched only once the last has drained
         allow_pdl(False)
         report["decode_without_pdl"] = bench_decode(model, ints(args.no_pdl_batches), ints(args.contexts),

@@ -22,7 +22,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-    import triton.testing  # the GEMV's autotuner times with triton.testing.do_bench
 except ImportError as exc:
     triton = tl = None
     _IMPORT_ERROR: ImportError | None = exc

@@ -164,7 +164,8 @@ BAD_REQUESTS = {
     "top_p 0": generation_pb2.GenerateRequest(prompt="hi", top_p=0.0),
     "top_p above 1": generation_pb2.GenerateRequest(prompt="hi", top_p=1.5),
     "negative top_k": generation_pb2.GenerateRequest(prompt="hi", top_k=-1),
-    "unknown chat role": generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="robot", content="x")]),
+    "unknown chat role":
+        generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="robot", content="x")]),
     "token id outside vocabulary": generation_pb2.GenerateRequest(prompt_token_ids=[1, 49152]),
     "negative token id": generation_pb2.GenerateRequest(prompt_token_ids=[1, -3]),
 }

@@ -3,8 +3,8 @@
 Without CUDA the kernel runs in Triton's CPU interpreter, one explicit config at a time, on small
 shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so there bf16 runs only
 through the multiply-add configs; the tensor-core configs are checked in fp32 and fp16 here and in
-bf16 on the GPU, where the autotuned kernel also runs at the shapes of Llama-3.1-8B, llama-tiny and
-SmolLM2-135M, and inside the decode step.
+bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
+llama-tiny and SmolLM2-135M, and inside the decode step.
 """
 
 import importlib.util
@@ -23,13 +23,14 @@ pytest.importorskip("triton")
 
 from shared.model import gemv_triton
 from shared.model.gemv_triton import CONFIGS, MAX_ROWS, gemv
-from shared.model.linear_choice import LinearChooser
+from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 H200_SMS = 132
 
 MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
+TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == MAX_ROWS]
 SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1]
 # Multiply-add configs take one row, tensor-core configs up to 16.
 CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"]]
@@ -90,12 +91,12 @@ def test_strided_rows_of_x():
     x, weight = operands(3, 96, 384, torch.float32, DEVICE)
     x = x[:, :256]
     weight = weight[:, :256].contiguous()
-    check(gemv(x, weight, CONFIGS[3]), x, weight, FP32_TOL)
+    check(gemv(x, weight, TENSOR_CORES[0]), x, weight, FP32_TOL)
 
 
 def test_usable_configs_at_8b_shapes():
     def usable(rows, n, k):
-        return gemv_triton._usable_configs(rows, n, k, H200_SMS)
+        return gemv_triton.usable_configs(rows, n, k, H200_SMS)
 
     o_proj_one_row = usable(1, 4096, 4096)
     assert any(c.kwargs["BLOCK_M"] == 1 for c in o_proj_one_row)
@@ -110,16 +111,15 @@ def test_usable_configs_at_8b_shapes():
 def test_bad_inputs_raise():
     x, weight = operands(3, 96, 256, torch.float32, DEVICE)
     with pytest.raises(ValueError):
-        gemv(x, weight[:, :128].contiguous(), CONFIGS[3])
+        gemv(x, weight[:, :128].contiguous(), TENSOR_CORES[0])
     with pytest.raises(ValueError):
-        gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, CONFIGS[3])
+        gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, TENSOR_CORES[0])
     with pytest.raises(ValueError):
-        gemv(x, weight.half(), CONFIGS[3])
+        gemv(x, weight.half(), TENSOR_CORES[0])
     with pytest.raises(ValueError):
-        gemv(x, weight.t().contiguous().t(), CONFIGS[3])
-    if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="autotuning needs CUDA"):
-            gemv(x, weight)
+        gemv(x, weight.t().contiguous().t(), TENSOR_CORES[0])
+    with pytest.raises(ValueError, match="at most 1 rows"):
+        gemv(x, weight, MULTIPLY_ADD[0])
 
 
 def test_chooser_on_cpu_is_f_linear():
@@ -134,11 +134,28 @@ def test_chooser_on_cpu_is_f_linear():
         LinearChooser("fastest")
 
 
+def test_gemv_must_beat_cublas_by_the_margin_unless_forced():
+    assert prefer_gemv(cublas_ms=0.030, gemv_ms=0.028, mode="auto")
+    assert not prefer_gemv(cublas_ms=0.030, gemv_ms=0.0295, mode="auto"), "within the 3% margin: cuBLAS"
+    assert not prefer_gemv(cublas_ms=0.030, gemv_ms=0.035, mode="auto")
+    assert prefer_gemv(cublas_ms=0.030, gemv_ms=0.035, mode="gemv")
+    assert not prefer_gemv(cublas_ms=0.030, gemv_ms=0.010, mode="cublas")
+
+
+def test_a_split_k_config_must_beat_the_best_single_kernel_by_the_margin():
+    single = [c for c in CONFIGS if c.kwargs["SPLIT_K"] == 1][:2]
+    split = SPLIT[:1]
+    configs = single + split
+    assert fastest_config(configs, [0.0105, 0.0102, 0.0101]) == 1, "1% faster split: the single kernel"
+    assert fastest_config(configs, [0.0105, 0.0102, 0.0095]) == 2, "7% faster split: the split"
+    assert fastest_config(configs, [0.0090, 0.0102, 0.0095]) == 0
+    assert fastest_config(split, [0.02]) == 0, "only split configs: the fastest of them"
+
+
 def test_imports_without_triton(monkeypatch):
     # The CPU code path imports this module where triton is not installed.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.setitem(sys.modules, "triton.testing", None)
     monkeypatch.delitem(sys.modules, "shared.triton_support")  # imported again, without triton
     spec = importlib.util.spec_from_file_location("gemv_triton_no_triton", gemv_triton.__file__)
     module = importlib.util.module_from_spec(spec)
@@ -146,10 +163,10 @@ def test_imports_without_triton(monkeypatch):
     x, weight = operands(1, 96, 256, torch.float32, "cpu")
     assert not module.supports(x, weight)
     with pytest.raises(ImportError, match="needs triton"):
-        module.gemv(x, weight)
+        module.gemv(x, weight, None)
 
 
-# --- compiled on CUDA: autotuned, model shapes, CUDA graphs, the decode step ---------------------
+# --- compiled on CUDA: the chooser's configs, model shapes, CUDA graphs, the decode step ---------
 
 needs_cuda = pytest.mark.skipif(not COMPILED_CUDA, reason="needs CUDA with compiled (not interpreted) Triton")
 
@@ -161,13 +178,22 @@ SMALL_MODELS = {"tiny-qkv": (768, 512), "tiny-o_proj": (512, 512), "tiny-gate_up
                 "smol-down": (576, 1536), "smol-lm_head": (49152, 576)}
 
 
+def fastest_gemv(x, weight):
+    """The GEMV with the config LinearChooser times fastest for this shape."""
+    chooser = LinearChooser("gemv")
+    out = chooser.apply(x, weight)
+    (choice,) = chooser.choices.values()
+    assert choice.use_gemv and choice.gemv_config in CONFIGS
+    return out
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("shape", LLAMA_8B.values(), ids=LLAMA_8B.keys())
 def test_8b_shapes_bf16_cuda(shape, rows):
     x, weight = operands(rows, *shape, torch.bfloat16, "cuda")
-    check(gemv(x, weight), x, weight, BF16_TOL)
+    check(fastest_gemv(x, weight), x, weight, BF16_TOL)
 
 
 @pytest.mark.gpu
@@ -177,7 +203,7 @@ def test_8b_shapes_bf16_cuda(shape, rows):
 def test_small_model_shapes_bf16_cuda(shape, rows):
     # fp32 at the llama-tiny shapes: test_decode_chooses_per_shape_and_keeps_the_logits.
     x, weight = operands(rows, *shape, torch.bfloat16, "cuda")
-    check(gemv(x, weight), x, weight, BF16_TOL)
+    check(fastest_gemv(x, weight), x, weight, BF16_TOL)
 
 
 @pytest.mark.gpu
@@ -194,16 +220,17 @@ def test_every_config_bf16_cuda(config):
 def test_cuda_graph_replay_cuda():
     x, weight = operands(8, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
     down_x, down = operands(8, *LLAMA_8B["down"], torch.bfloat16, "cuda")
+    chooser = LinearChooser("gemv")
     for a, b in ((x, weight), (down_x, down)):
-        gemv(a, b)  # autotunes, which must happen outside the capture
+        chooser.apply(a, b)  # times and compiles, which must happen outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = gemv(x, weight), gemv(down_x, down)
+        outs = chooser.apply(x, weight), chooser.apply(down_x, down)
     x.copy_(torch.randn_like(x))
     down_x.copy_(torch.randn_like(down_x))
     graph.replay()
-    for got, want in zip(outs, (gemv(x, weight), gemv(down_x, down))):
+    for got, want in zip(outs, (chooser.apply(x, weight), chooser.apply(down_x, down))):
         assert torch.equal(got, want)
 
 

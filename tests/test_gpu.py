@@ -145,7 +145,8 @@ def test_graphed_decode_equals_eager():
     for i, length in enumerate([5, 40, 17]):
         pages = allocator.allocate(pages_for(length + 8, 16))
         model.prefill(list(range(3, 3 + length)), pool, pages)
-        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0), StopParams(8, True)))
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
+                                        StopParams(8, True)))
     inputs = step_inputs(requests, 16, torch.device("cuda:0"))
     kv_before = pool.kv.clone()
     graphed = graphs.step(inputs).clone()

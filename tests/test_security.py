@@ -181,8 +181,8 @@ def tls_stack(tmp_path_factory, checkpoint):
     workdir = tmp_path_factory.mktemp("tls")
     cert, key = _self_signed_certificate(workdir)
     (workdir / "token").write_text(f"{TOKEN}\n")
-    stack = ServiceStack(workdir, CACHE_DIR, PDSERVE_ROUTER_TLS_CERT_FILE=str(cert), PDSERVE_ROUTER_TLS_KEY_FILE=str(key),
-                         PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(workdir / "token"))
+    stack = ServiceStack(workdir, CACHE_DIR, PDSERVE_ROUTER_TLS_CERT_FILE=str(cert),
+                         PDSERVE_ROUTER_TLS_KEY_FILE=str(key), PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(workdir / "token"))
     try:  # ServiceStack's own __enter__ would open a plaintext channel
         for name in stack.services:
             stack.start(name)

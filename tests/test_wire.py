@@ -120,7 +120,8 @@ BAD_FRAMES = {
     "array header over MAX_ARRAY_LEN": b"\xdd" + (wire.MAX_ARRAY_LEN + 1).to_bytes(4, "big"),
     "array header of 2**32-1": b"\xdd\xff\xff\xff\xff",
     "nested array header over MAX_ARRAY_LEN":
-        b"\x96" + msgpack.packb(PREFILL_TASK) + msgpack.packb("r") + b"\xdd" + (wire.MAX_ARRAY_LEN + 1).to_bytes(4, "big"),
+        b"\x96" + msgpack.packb(PREFILL_TASK) + msgpack.packb("r") + b"\xdd"
+        + (wire.MAX_ARRAY_LEN + 1).to_bytes(4, "big"),
 }
 
 
@@ -131,7 +132,8 @@ def _oversized_but_well_formed() -> dict[str, bytes]:
     layout = [1, 1, 1, 1, 1, "float32", 256]
     too_many_tokens = list(range(wire.MAX_ARRAY_LEN + 1))
     return {
-        "valid message over MAX_FRAME_BYTES": _frame(int(m.MsgKind.POOL_AVAILABLE), "p" * 200, ["shm", locator, layout]),
+        "valid message over MAX_FRAME_BYTES":
+            _frame(int(m.MsgKind.POOL_AVAILABLE), "p" * 200, ["shm", locator, layout]),
         "prompt over MAX_ARRAY_LEN": _frame(PREFILL_TASK, "r", too_many_tokens, SAMPLING_RAW, STOP_RAW, 2.5),
         "worker id over MAX_STR_BYTES": _frame(HEARTBEAT, "w" * (wire.MAX_STR_BYTES + 1), 1, 0, 0),
     }
@@ -166,7 +168,8 @@ def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
     assert wire.decode(_frame(HEARTBEAT, "decode-0", 1, 0, 0)) == m.Heartbeat("decode-0", 1, 0, 0)
     assert wire.decode(_frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, STOP_RAW, 2.5)) == m.PrefillTask(
         "r", [1], m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False), 2.5)
-    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5)) == m.TokenBatch([m.TokenOut("r", 1, None)], 2.5)
+    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5)) == m.TokenBatch(
+        [m.TokenOut("r", 1, None)], 2.5)
 
 
 def test_a_prompt_of_max_array_len_tokens_decodes():

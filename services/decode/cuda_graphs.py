@@ -49,7 +49,7 @@ class GraphedDecode:
         page_table = torch.full((size, max_pages), self.scratch_page, dtype=torch.int32, device=device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the capture: autotuning, lazy allocations
+        with torch.cuda.stream(side):  # warm-up outside the capture: matmul choices, compiles, lazy allocations
             for _ in range(2):
                 self.model.decode(token_ids, positions, page_table, self.pool)
         torch.cuda.current_stream(device).wait_stream(side)

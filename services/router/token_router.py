@@ -187,7 +187,8 @@ class TokenRouter:
         request.stage = Stage.DONE
         request.timings["total_s"] = time.perf_counter() - request.submitted_at
         log.info("request finished", request_id=request.request_id, aborted=early,
-                 prompt_tokens=len(request.job.prompt_token_ids), **{k: round(v, 6) for k, v in request.timings.items()})
+                 prompt_tokens=len(request.job.prompt_token_ids),
+                 **{k: round(v, 6) for k, v in request.timings.items()})
         self._admit_waiting()
 
     # ---- placement ----

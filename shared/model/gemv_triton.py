@@ -11,10 +11,10 @@ accumulates in fp32. Two inner products, one per kind of config:
 
 Split-K: where N / BLOCK_N programs would leave SMs idle (o_proj and down_proj of Llama-8B have
 N = 4096 on 132 SMs), the grid's second axis cuts K into SPLIT_K ranges; each writes fp32 partial
-sums and a second kernel adds them and rounds once. @triton.autotune picks the config per
-(M, N, K), timing each with the L2 flushed, as the weights are in a decode step. The shapes never
-change between steps and nothing is read on the host, so a call can be captured in a CUDA graph
-once its shape has been tuned (shared/model/linear_choice.py makes sure it was).
+sums and a second kernel adds them and rounds once. The caller names the config:
+shared/model/linear_choice.py times every usable one per shape, as a decode step runs them, and
+keeps the fastest. Nothing is read on the host, so a call can be captured in a CUDA graph once its
+config has been compiled.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 # Columns per program of the split-K sum.
 _SUM_BLOCK = 1024
-# Autotuning runs once per shape at start-up; a short timing per config is enough to rank them.
-_TUNE_WARMUP_MS, _TUNE_REP_MS = 5, 25
 
 
 def _config(block_m: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int):
@@ -43,6 +41,10 @@ def _config(block_m: int, block_n: int, block_k: int, split_k: int, warps: int, 
 if triton is not None:
     CONFIGS = [
         # Multiply-add, one row: blocks of a few rows already make enough programs without a split.
+        # Two rows by 1024 and four by 2048 were the fastest for o_proj, gate_up and down of
+        # Llama-8B on the H200 in a sweep of 168 such configs; eight by 512 for qkv.
+        _config(1, 2, 1024, 1, 4, 3),
+        _config(1, 4, 2048, 1, 4, 3),
         _config(1, 4, 1024, 1, 4, 3),
         _config(1, 8, 512, 1, 4, 3),
         _config(1, 16, 512, 1, 8, 3),
@@ -116,33 +118,20 @@ if triton is not None:
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _usable_configs(rows: int, n: int, k: int, num_sms: int) -> list:
-    """The configs worth timing for a shape: multiply-add only for one row; split-K only where the
-    row blocks leave SMs idle and every split gets at least one K block."""
+def usable_configs(rows: int, n: int, k: int, sms: int) -> list:
+    """The configs worth timing for a shape on a GPU of `sms` SMs: multiply-add only for one row;
+    split-K only where the row blocks leave SMs idle and every split gets at least one K block."""
     def usable(config) -> bool:
         meta = config.kwargs
         if meta["BLOCK_M"] < rows:
             return False
-        return meta["SPLIT_K"] == 1 or (triton.cdiv(n, meta["BLOCK_N"]) < _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms
+        return meta["SPLIT_K"] == 1 or (triton.cdiv(n, meta["BLOCK_N"]) < _SPLIT_BELOW_PROGRAMS_PER_SM * sms
                                         and k >= meta["SPLIT_K"] * meta["BLOCK_K"])
     return [config for config in CONFIGS if usable(config)]
-
-
-def _prune(configs, named_args, **_):
-    x = named_args["x_ptr"]
-    return _usable_configs(named_args["M"], named_args["N"], named_args["K"], _num_sms(x.device.index))
-
-
-if triton is not None:
-    _gemv_tuned = triton.autotune(
-        configs=CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": _prune},
-        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=_TUNE_WARMUP_MS, rep=_TUNE_REP_MS,
-                                                               quantiles=quantiles),
-    )(_gemv_kernel)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -165,12 +154,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x strides {x.stride()} and weight strides {weight.stride()} need a contiguous last dim")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
-    """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major: a new [M, N] in x's dtype.
-
-    config None: autotuned (CUDA only; the first call of a shape times every usable config, so it
-    must not run inside CUDA-graph capture). A config from CONFIGS runs that config, as the tests do
-    in the CPU interpreter."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
+    """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major, with one of CONFIGS: a new
+    [M, N] in x's dtype. A config's first call compiles it, so it must not come in a CUDA-graph
+    capture."""
     require_triton("gemv")
     _check(x, weight)
     rows, k = x.shape
@@ -178,33 +165,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    if config is None and not x.is_cuda:
-        raise ValueError("autotuning needs CUDA; pass a config from CONFIGS to run elsewhere")
-    candidates = [config] if config is not None else _usable_configs(rows, n, k, _num_sms(x.device.index))
-    max_split = max(c.kwargs["SPLIT_K"] for c in candidates)
-    # Unused unless the chosen config splits K; out stands in for it otherwise.
-    partial = torch.empty((max_split, rows, n), dtype=torch.float32, device=x.device) if max_split > 1 else out
-    args = (x, weight, out, partial, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    if config.kwargs["BLOCK_M"] < rows:
+        raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
+    split_k = config.kwargs["SPLIT_K"]
+    # Unused unless the config splits K; out stands in for it otherwise.
+    partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     # tf32 would round fp32 inputs to 10 mantissa bits; for 16-bit inputs the precision is moot.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-
-    def grid(meta):
-        return triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"]
-
+    grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
     launch = pdl_options(x.device)
-    if config is None:
-        _gemv_tuned[grid](*args, DOT_PRECISION=precision, **launch)
-        config = _gemv_tuned.best_config  # the config this very launch ran
-    else:
-        _gemv_kernel[grid](*args, DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
-                           num_stages=config.num_stages, **launch)
-    split_k = config.kwargs["SPLIT_K"]
+    _gemv_kernel[grid](x, weight, out, partial, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
+                       num_stages=config.num_stages, **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)
     return out
-
-
-def last_tuned_config() -> str:
-    """The config of the latest autotuned gemv call, for benchmark reports."""
-    return str(_gemv_tuned.best_config)

@@ -1,19 +1,23 @@
-"""Per matmul shape of the decode step: cuBLAS or the Triton GEMV, whichever reads the weight faster.
+"""Per matmul shape of the decode step: cuBLAS or a Triton GEMV config, whichever reads the weight fastest.
 
 Which one wins depends on the GPU, the shape and the batch size, so rather than guess, the first
-call with a new (rows, N, K, dtype) times both on the GPU and keeps the winner for the life of the
-process. The GEMV has to win by a margin, so a choice is never slower than cuBLAS beyond timing
-noise. The timing reproduces a decode step: the calls run back to back in a CUDA graph (no host
-launch gaps) and rotate over copies of the weight that overflow the L2 cache (in a step, every
-other layer's weights pass through L2 between two reads of this one).
+call with a new (rows, N, K, dtype) times cuBLAS and every usable GEMV config on the GPU and keeps
+the winner for the life of the process. The GEMV has to win by a margin, so a choice is never
+slower than cuBLAS beyond timing noise. The timing reproduces a decode step: the calls run back
+to back in a CUDA graph (no host launch gaps, PDL between GEMV launches) and rotate over copies
+of the weight that overflow the L2 cache (in a step, every other layer's weights pass through L2
+between two reads of this one). Triton's own autotuner, which times a lone launch after flushing
+L2, ranked the configs differently: on the H200 it took for down_proj at batch 1 a config that
+reads it in 35.0 µs timed this way, where the fastest took 29.5.
 
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
-the warm-up steps of services/decode/cuda_graphs.py make every choice (and the GEMV's autotuning)
-before it captures. A shape first seen during a capture takes cuBLAS.
+the warm-up steps of services/decode/cuda_graphs.py make every choice (and compile every chosen
+config) before it captures. A shape first seen during a capture takes cuBLAS.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,16 +47,37 @@ class Choice:
     k: int
     dtype: str
     cublas_ms: float
-    gemv_ms: float
+    gemv_ms: float  # the fastest GEMV config's
+    gemv_config: object  # that config, a triton.Config from gemv_triton.CONFIGS
     use_gemv: bool
+
+
+def prefer_gemv(cublas_ms: float, gemv_ms: float, mode: str) -> bool:
+    return mode == "gemv" or (mode == "auto" and gemv_ms < (1 - _MIN_GAIN) * cublas_ms)
+
+
+def fastest_config(configs: list, times_ms: list[float]) -> int:
+    """Index of the GEMV config to use: the fastest one-kernel config, unless a split-K config (a
+    second kernel adds the partial sums) beats it by the margin. Timed alone, o_proj at batch 1 read
+    in 10.4 µs split in two against 10.2 unsplit, yet the split made the H200's step 0.1 ms slower:
+    its extra kernel per layer costs more in the step than in the timing."""
+    def fastest(split: bool) -> int | None:
+        indices = [i for i, c in enumerate(configs) if (c.kwargs["SPLIT_K"] > 1) == split]
+        return min(indices, key=times_ms.__getitem__) if indices else None
+
+    single, split = fastest(False), fastest(True)
+    if single is None or (split is not None and times_ms[split] < (1 - _MIN_GAIN) * times_ms[single]):
+        return split
+    return single
 
 
 class LinearChooser:
     """F.linear(x, weight, bias) through cuBLAS or gemv_triton.gemv, chosen per shape.
 
-    mode "auto" times both once per shape; "cublas" and "gemv" force one (tests, benchmarks).
-    A bias, the CPU and batches above gemv_triton.MAX_ROWS always take F.linear (cuBLAS adds the
-    bias in its epilogue before rounding, which the GEMV does not reproduce)."""
+    mode "auto" times both once per shape; "cublas" and "gemv" force one (tests, benchmarks; the
+    GEMV's config is still the fastest one). A bias, the CPU and batches above gemv_triton.MAX_ROWS
+    always take F.linear (cuBLAS adds the bias in its epilogue before rounding, which the GEMV does
+    not reproduce)."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in MODES:
@@ -63,39 +88,52 @@ class LinearChooser:
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
             return F.linear(x, weight, bias)
-        if self.mode == "gemv" or self._use_gemv(x, weight):
-            return gemv_triton.gemv(x, weight)
+        choice = self.choice(x, weight)
+        if choice is not None and choice.use_gemv:
+            return gemv_triton.gemv(x, weight, choice.gemv_config)
         return F.linear(x, weight)
 
-    def _use_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def choice(self, x: torch.Tensor, weight: torch.Tensor) -> Choice | None:
+        """The choice for this shape, timed at its first call; None when that call is in a capture."""
         key = (x.shape[0], *weight.shape, weight.dtype)
         choice = self.choices.get(key)
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
                 log.warning("linear shape first seen in a CUDA graph capture, using cuBLAS", rows=x.shape[0],
                             n=weight.shape[0], k=weight.shape[1])
-                return False
-            choice = self.choices[key] = self._time_both(x, weight)
-        return choice.use_gemv
+                return None
+            choice = self.choices[key] = self._time_all(x, weight)
+        return choice
 
-    def _time_both(self, x: torch.Tensor, weight: torch.Tensor) -> Choice:
-        cublas_ms = time_per_call_ms(lambda w: F.linear(x, w), weight)
-        gemv_ms = time_per_call_ms(lambda w: gemv_triton.gemv(x, w), weight)
-        choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), cublas_ms, gemv_ms,
-                        use_gemv=gemv_ms < (1 - _MIN_GAIN) * cublas_ms)
-        log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k, cublas_us=round(cublas_ms * 1e3, 1),
-                 gemv_us=round(gemv_ms * 1e3, 1), backend="triton-gemv" if choice.use_gemv else "cublas")
+    def _time_all(self, x: torch.Tensor, weight: torch.Tensor) -> Choice:
+        configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(x.device.index))
+        candidates = {"cublas": lambda w: F.linear(x, w)}
+        for i, config in enumerate(configs):
+            candidates[i] = functools.partial(gemv_triton.gemv, x, config=config)
+        times = time_per_call_ms(candidates, weight)
+        best = fastest_config(configs, [times[i] for i in range(len(configs))])
+        choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), times["cublas"], times[best], configs[best],
+                        use_gemv=prefer_gemv(times["cublas"], times[best], self.mode))
+        log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
+                 cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
+                 gemv_config=str(configs[best].kwargs),
+                 backend="triton-gemv" if choice.use_gemv else "cublas")
         return choice
 
 
-def time_per_call_ms(fn: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> float:
-    """Median milliseconds of one fn(weight) as a decode step sees it: back to back in a CUDA graph,
-    the weight cold in L2. Must run outside any capture."""
+def time_per_call_ms(candidates: dict[object, Callable[[torch.Tensor], torch.Tensor]],
+                     weight: torch.Tensor) -> dict[object, float]:
+    """Median milliseconds of one fn(weight) per candidate, as a decode step sees it: back to back in
+    a CUDA graph, the weight cold in L2. Must run outside any capture."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
     weight_bytes = weight.numel() * weight.element_size()
     copies = [weight] + [weight.clone() for _ in range(math.ceil(_L2_MULTIPLE * l2_bytes / weight_bytes) - 1)]
     calls = len(copies) * math.ceil(_MIN_CALLS / len(copies))
-    fn(weight)  # compiles, autotunes and sets up cuBLAS, none of which may happen in a capture
+    return {name: _time_graphed(fn, copies, calls) for name, fn in candidates.items()}
+
+
+def _time_graphed(fn: Callable[[torch.Tensor], torch.Tensor], copies: list[torch.Tensor], calls: int) -> float:
+    fn(copies[0])  # compiles and sets up cuBLAS, neither of which may happen in a capture
     graph = torch.cuda.CUDAGraph()
     # thread_local: in the colocated process the prefill thread may be using the device meanwhile.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
