@@ -1,0 +1,96 @@
+"""Sweep of Triton GEMV configs for the decode step's weight shapes (JSON on stdout).
+
+    python -m loadtest.bench_gemv_configs [--rows 1,8] [--top 8] [--out FILE]
+
+What chose shared/model/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
+batch (tensor cores), reads each Llama-3.1-8B weight shape, timed as the decode's LinearChooser
+times its candidates (back to back in a CUDA graph, weights rotated past L2). In the same run:
+cuBLAS on the same shape (the baseline), and the floor, the weight's bytes over the device's copy
+bandwidth (bytes read + written per second of a 4 GiB device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from loadtest.bench_gpu import copy_bandwidth_gbs
+from shared.model import gemv_triton
+from shared.model.linear_choice import time_per_call_ms
+from shared.triton_support import triton
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+
+
+def grid(rows: int) -> list:
+    """Tensor-core configs (x padded to 16 rows), and for one row the multiply-add configs too."""
+    def configs(block_m, blocks, tuning):
+        return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split},
+                              num_warps=warps, num_stages=stages)
+                for (n, k), (warps, stages, split) in itertools.product(blocks, list(tuning))]
+
+    tensor_cores = configs(gemv_triton.MAX_ROWS, [(n, k) for n, k in itertools.product([32, 64, 128], [64, 128, 256])
+                                                  if n * k <= 16384],
+                           itertools.product([4, 8], [3, 4, 5], [1, 2, 4]))
+    if rows > 1:
+        return tensor_cores
+    multiply_add = configs(1, [(n, k) for n, k in itertools.product([2, 4, 8, 16, 32], [256, 512, 1024, 2048])
+                               if 2048 <= n * k <= 16384],
+                           itertools.product([4, 8], [1, 3], [1, 2, 4]))
+    return multiply_add + tensor_cores
+
+
+def _key(config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+def sweep(rows: int, top: int, bandwidth_gbs: float) -> list[dict]:
+    results = []
+    configs = grid(rows)
+    for name, (n, k) in SHAPES.items():
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
+        candidates = {"cublas": functools.partial(F.linear, x)}
+        candidates |= {i: functools.partial(gemv_triton.gemv, x, config=c) for i, c in enumerate(usable)}
+        times = time_per_call_ms(candidates, weight)
+        ranked = sorted(range(len(usable)), key=times.__getitem__)[:top]
+        shipped = {_key(c) for c in gemv_triton.CONFIGS}
+        current = [i for i, c in enumerate(usable) if _key(c) in shipped]
+        results.append({
+            "rows": rows, "weight": name, "n": n, "k": k,
+            "floor_us": weight.numel() * weight.element_size() / (bandwidth_gbs * 1e9) * 1e6,
+            "cublas_us": times["cublas"] * 1e3,
+            "fastest": [{"us": times[i] * 1e3, "config": str(usable[i])} for i in ranked],
+            "fastest_shipped": ({"us": times[min(current, key=times.__getitem__)] * 1e3,
+                                 "config": str(usable[min(current, key=times.__getitem__)])} if current else None),
+        })
+        del weight
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gemv_configs")
+    parser.add_argument("--rows", default="1,8", help="batch sizes to sweep")
+    parser.add_argument("--top", type=int, default=8, help="fastest configs reported per shape")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth_gbs()
+    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth, "sweeps": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        report["sweeps"] += sweep(rows, args.top, bandwidth)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
