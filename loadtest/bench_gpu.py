@@ -124,7 +124,9 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
             results.append({"batch": batch, "context": context, "graph_ms_p50": median(graphed),
                             "graph_ms_min": graphed[0], "eager_ms_p50": median(eager), "floor_ms": floor_ms,
                             "ratio_to_floor": median(graphed) / floor_ms,
-                            "tokens_per_s": batch / (median(graphed) / 1e3)})
+                            "tokens_per_s": batch / (median(graphed) / 1e3),
+                            "all_matmuls_on_gemv": batch in model.linears.gemv_rows,
+                            "capture_timings": graphs.matmul_timings.get(batch)})
             for r in requests:
                 allocator.free(r.pages)
     skipped = [{"batch": b, "context": c, "kv_gib": b * c * kv_per_token / GIB}

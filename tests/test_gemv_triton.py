@@ -7,6 +7,7 @@ bf16 on the GPU, where the config the chooser times fastest also runs at the sha
 llama-tiny and SmolLM2-135M, and inside the decode step.
 """
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -282,3 +283,54 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     tol = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float32 else {"atol": 3e-2 * scale, "rtol": 3e-2}
     torch.testing.assert_close(logits["graphed"], logits["cublas"], **tol)
     torch.testing.assert_close(logits["gemv"], logits["cublas"], **tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rows_put_on_the_gemv_take_it_where_cublas_was_chosen():
+    x, weight = operands(4, *SMALL_MODELS["smol-o_proj"], torch.bfloat16, "cuda")
+    chooser = LinearChooser()
+    chooser.apply(x, weight)
+    (key,) = chooser.choices
+    chooser.choices[key] = dataclasses.replace(chooser.choices[key], use_gemv=False)  # as if cuBLAS had won
+    assert chooser.uses_cublas(4) and not chooser.uses_cublas(1)
+    assert torch.equal(chooser.apply(x, weight), F.linear(x, weight))
+    chooser.gemv_rows.add(4)
+    assert torch.equal(chooser.apply(x, weight), gemv(x, weight, chooser.choices[key].gemv_config))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_bucket_with_cublas_matmuls_keeps_its_faster_capture():
+    """Where some matmul of a bucket chose cuBLAS, the bucket is captured both ways and timed; the
+    faster capture is kept, and either gives the eager step's logits."""
+    from services.decode.batch import DecodingRequest, step_inputs
+    from services.decode.cuda_graphs import GraphedDecode
+    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+    from shared.messages import SamplingParams, StopParams
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    model = PagedLlama.from_hf(random_hf_model("random:llama-tiny", torch.float32, "cuda:0"), "cuda:0")
+    layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    scratch = allocator.allocate(1)[0]
+    requests = []
+    for i, length in enumerate([5, 40, 17, 9]):
+        pages = allocator.allocate(pages_for(length + 8, 16))
+        model.prefill(list(range(3, 3 + length)), pool, pages)
+        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
+                                        StopParams(8, True)))
+    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    kv_before = pool.kv.clone()
+    eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool).clone()
+    for key, choice in model.linears.choices.items():  # as if cuBLAS had won every shape of 4 rows
+        model.linears.choices[key] = dataclasses.replace(choice, use_gemv=False)
+
+    graphs = GraphedDecode(model, pool, scratch, 64, [4])
+    timings = graphs.matmul_timings[4]
+    assert timings["per_shape_ms"] > 0 and timings["all_gemv_ms"] > 0
+    assert (4 in model.linears.gemv_rows) == (timings["all_gemv_ms"] < timings["per_shape_ms"])
+    pool.kv.copy_(kv_before)
+    torch.testing.assert_close(graphs.step(inputs), eager, atol=1e-3, rtol=1e-3)

@@ -6,6 +6,11 @@ static input buffers; a step then copies its inputs in and replays one graph. A 
 padded up to the next bucket: padding rows sit at position 0 of a scratch page that no request
 owns, so they write nothing that matters. Batches above the largest bucket run eagerly.
 The page table is as wide as the model's context, so one graph serves every length.
+
+Where the per-shape matmul choice (shared/model/linear_choice.py) put some of a bucket's matmuls
+on cuBLAS, the bucket is captured twice, as chosen and with every matmul on the Triton GEMV, and
+the faster replay is kept. Both are timed on the same inputs: every row at a 1,024-token context
+whose pages are all the scratch page.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from shared.kv_pool import PagedKvPool
 from shared.model.llama import PagedLlama
 
 log = structlog.get_logger()
+
+# The context and replays of the timing that picks between a bucket's two captures.
+_TIMING_CONTEXT = 1024
+_TIMING_WARMUP, _TIMING_REPLAYS = 3, 21
 
 
 @dataclass
@@ -37,10 +46,43 @@ class GraphedDecode:
         self.model, self.pool, self.scratch_page = model, pool, scratch_page
         self.sizes = sorted(batch_sizes)
         self.captured: dict[int, _Captured] = {}
+        # Per bucket timed both ways: the step's median ms as chosen per shape and all on the GEMV.
+        self.matmul_timings: dict[int, dict[str, float]] = {}
         memory_pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self.captured[size] = self._capture(size, max_pages, memory_pool)
-        log.info("captured decode graphs", batch_sizes=self.sizes, max_pages=max_pages)
+            self.captured[size] = self._capture_fastest(size, max_pages, memory_pool)
+        log.info("captured decode graphs", batch_sizes=self.sizes, max_pages=max_pages,
+                 all_gemv=sorted(model.linears.gemv_rows & set(self.sizes)))
+
+    def _capture_fastest(self, size: int, max_pages: int, memory_pool) -> _Captured:
+        chosen = self._capture(size, max_pages, memory_pool)
+        linears = self.model.linears
+        if not linears.uses_cublas(size):
+            return chosen
+        linears.gemv_rows.add(size)
+        all_gemv = self._capture(size, max_pages, memory_pool)
+        timings = {"per_shape_ms": self._time(chosen, max_pages), "all_gemv_ms": self._time(all_gemv, max_pages)}
+        self.matmul_timings[size] = timings
+        log.info("decode graph matmuls timed", batch_size=size, **{k: round(v, 4) for k, v in timings.items()})
+        if timings["all_gemv_ms"] < timings["per_shape_ms"]:
+            return all_gemv
+        linears.gemv_rows.discard(size)
+        return chosen
+
+    def _time(self, captured: _Captured, max_pages: int) -> float:
+        captured.positions.fill_(min(_TIMING_CONTEXT, max_pages * self.pool.layout.page_size) - 1)
+        captured.page_table.fill_(self.scratch_page)
+        times = []
+        for i in range(_TIMING_WARMUP + _TIMING_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            captured.graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= _TIMING_WARMUP:
+                times.append(start.elapsed_time(end))
+        captured.positions.zero_()
+        return sorted(times)[len(times) // 2]
 
     def _capture(self, size: int, max_pages: int, memory_pool) -> _Captured:
         device = self.model.device

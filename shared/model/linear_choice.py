@@ -13,6 +13,12 @@ reads it in 35.0 µs timed this way, where the fastest took 29.5.
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
 the warm-up steps of services/decode/cuda_graphs.py make every choice (and compile every chosen
 config) before it captures. A shape first seen during a capture takes cuBLAS.
+
+Timed alone, a shape can favour cuBLAS by a little, and yet the step be faster on the GEMV: a
+cuBLAS kernel breaks the chain of programmatic dependent launches (shared/triton_support.py), so
+the kernels on either side of it wait for full drains. Which effect wins differed between batch
+sizes on the H200, so for a batch size where some shape chose cuBLAS, the decode times its whole
+graphed step both ways and may put every matmul of that size on the GEMV (gemv_rows).
 """
 
 from __future__ import annotations
@@ -84,14 +90,22 @@ class LinearChooser:
             raise ValueError(f"linear mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.choices: dict[tuple, Choice] = {}
+        # Batch sizes whose graphed step timed faster with every matmul on the GEMV
+        # (services/decode/cuda_graphs.py): their shapes take it even where cuBLAS was chosen.
+        self.gemv_rows: set[int] = set()
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
             return F.linear(x, weight, bias)
         choice = self.choice(x, weight)
-        if choice is not None and choice.use_gemv:
+        if choice is not None and (choice.use_gemv or x.shape[0] in self.gemv_rows):
             return gemv_triton.gemv(x, weight, choice.gemv_config)
         return F.linear(x, weight)
+
+    def uses_cublas(self, rows: int) -> bool:
+        """Whether some shape chosen for this many rows takes cuBLAS (in mode "auto", only then can
+        forcing the GEMV on them change a step)."""
+        return self.mode == "auto" and any(not c.use_gemv for c in self.choices.values() if c.rows == rows)
 
     def choice(self, x: torch.Tensor, weight: torch.Tensor) -> Choice | None:
         """The choice for this shape, timed at its first call; None when that call is in a capture."""
