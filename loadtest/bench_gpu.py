@@ -13,6 +13,8 @@ Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place, its
 Triton kernels launched with programmatic dependent launch (shared/triton_support.py); some
 batches are timed again without it, with cuBLAS for every matmul and with the GEMV for every one.
+A step is timed alone (p50 of 100, the host's launch included, as a decode that waits for each
+step's tokens sees it) and ten at a time queued back to back (the device's time per step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shared.model.llama import PagedLlama
 from shared.triton_support import allow_pdl
 
 GIB = 1 << 30
+_QUEUED_STEPS = 10
 
 
 def cuda_time_ms(fn, iterations: int, warmup: int = 3) -> list[float]:
@@ -118,13 +121,18 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
             requests = [DecodingRequest(str(i), allocator.allocate(pages_for(context + 1, page_size)), context - 1,
                                         1, 1, SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
             inputs = step_inputs(requests, page_size, torch.device("cuda"))
-            graphed = cuda_time_ms(lambda: graphs.step(inputs), 30)
+            graphed = cuda_time_ms(lambda: graphs.step(inputs), 100)
+            # Steps queued back to back: the device's time per step, without the host's launch gap
+            # between the start event and each step (a single step's timing includes it).
+            queued = cuda_time_ms(lambda: [graphs.step(inputs) for _ in range(_QUEUED_STEPS)], 10)
             eager = cuda_time_ms(lambda: model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool), 5)
             floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
             results.append({"batch": batch, "context": context, "graph_ms_p50": median(graphed),
                             "graph_ms_min": graphed[0], "eager_ms_p50": median(eager), "floor_ms": floor_ms,
                             "ratio_to_floor": median(graphed) / floor_ms,
                             "tokens_per_s": batch / (median(graphed) / 1e3),
+                            "queued_ms_per_step": median(queued) / _QUEUED_STEPS,
+                            "queued_ratio_to_floor": median(queued) / _QUEUED_STEPS / floor_ms,
                             "all_matmuls_on_gemv": batch in model.linears.gemv_rows,
                             "capture_timings": graphs.matmul_timings.get(batch)})
             for r in requests:
