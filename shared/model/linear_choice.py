@@ -8,7 +8,7 @@ to back in a CUDA graph (no host launch gaps, PDL between GEMV launches) and rot
 of the weight that overflow the L2 cache (in a step, every other layer's weights pass through L2
 between two reads of this one). Triton's own autotuner, which times a lone launch after flushing
 L2, ranked the configs differently: on the H200 it took for down_proj at batch 1 a config that
-reads it in 35.0 µs timed this way, where the fastest took 29.5.
+reads it in 35.6 µs timed this way, where the fastest takes 29.4 (docs/BENCHMARKS.md).
 
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
 the warm-up steps of services/decode/cuda_graphs.py make every choice (and compile every chosen
