@@ -31,6 +31,7 @@ import torch
 import transformers
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from loadtest.report import emit
 from shared.model.loader import load_tokenizer, resolve_checkpoint
 from tests.stack import ServiceStack
 
@@ -357,10 +358,7 @@ def main() -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"bench_cpu: {exc}", file=sys.stderr)
         return 1
-    document = json.dumps(report, indent=2)
-    print(document)
-    if args.out:
-        args.out.write_text(document + "\n")
+    emit(report, args.out)
     return 0
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 
 import torch
 import torch.nn.functional as F
 
+from loadtest.report import emit
 from loadtest.bench_gpu import copy_bandwidth_gbs
 from shared.model import gemv_triton
 from shared.model.linear_choice import time_per_call_ms
@@ -85,11 +85,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth, "sweeps": []}
     for rows in (int(r) for r in args.rows.split(",")):
         report["sweeps"] += sweep(rows, args.top, bandwidth)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

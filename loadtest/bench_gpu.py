@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from loadtest.report import emit
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
 from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
@@ -258,11 +258,7 @@ def main() -> None:
     report["prefill"] = bench_prefill(model, ints(args.prefill), tflops, args.chunk_tokens)
     report["handoff_copy"] = bench_handoff(model, [1024, 4096, 8192, 16384, 32768], bandwidth)
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

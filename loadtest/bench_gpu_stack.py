@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from loadtest.report import emit
 from tests.stack import SERVICES, ServiceStack
 
 CACHE_DIR = "~/.cache/pdserve"
@@ -186,10 +187,7 @@ def main() -> None:
         report["separate"] = run_stack(args.model, shared_weights=False, measure=False)
     if not args.skip_baseline:
         report["transformers_generate_batch"] = transformers_batch(args.model, 64, 1024, 128)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

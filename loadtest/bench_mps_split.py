@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest.report import emit
 from loadtest.bench_gpu import cuda_time_ms, median, prefill_flops
 from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
 from services.decode.batch import DecodingRequest, step_inputs
@@ -472,10 +473,7 @@ def orchestrate(args) -> int:
         "arrangements": rows, "recommended": recommend(rows, args.max_p99_ratio),
         "skipped_for_time": skipped, "aborted": aborted, "wall_s": time.monotonic() - started,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(report, args.out)
     problems = [progress(r).splitlines()[0] for r in rows if "error" in r or not r["mps_check"]["verified"]]
     problems += [f"MPS daemon not fully stopped: {daemon_record}"] if daemon_record.get("still_running") else []
     problems += [f"aborted: {aborted.splitlines()[0]}"] if aborted else []
