@@ -47,11 +47,16 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+_WITH_PDL = {"USE_PDL": True, "launch_pdl": True}
+_WITHOUT_PDL = {"USE_PDL": False}
+
+
 def pdl_options(device: torch.device) -> dict:
-    """The launch options of a kernel that starts with wait_for_previous_kernel(USE_PDL)."""
+    """The launch options of a kernel that starts with wait_for_previous_kernel(USE_PDL); shared
+    dicts, to be unpacked and never changed (eager steps call this at every launch)."""
     if _pdl_allowed and device.type == "cuda" and _has_pdl(device.index if device.index is not None else 0):
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False}
+        return _WITH_PDL
+    return _WITHOUT_PDL
 
 
 wait_for_previous_kernel = None

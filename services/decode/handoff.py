@@ -65,7 +65,7 @@ class PageIdStaging:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.ids = self.host.numpy()
         self.used = 0
-        self.last_reader: torch.cuda.Event | None = None  # recorded after the latest copy that read ids
+        self._last_reader: torch.cuda.Event | None = None  # recorded after the latest copy that read ids
 
     def stage(self, src: np.ndarray, dst: list[int], src_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Both id lists as index tensors for the copy; ValueError unless every src id is in
@@ -75,8 +75,8 @@ class PageIdStaging:
         if len(dst) != n or 2 * slot > len(self.ids):
             raise ValueError(f"{n} source and {len(dst)} destination pages do not fit a buffer of {len(self.ids)}")
         if self.used + 2 * slot > len(self.ids):
-            if self.last_reader is not None:
-                self.last_reader.synchronize()
+            if self._last_reader is not None:
+                self._last_reader.synchronize()
             self.used = 0
         src_at, dst_at = self.used, self.used + slot
         self.used += 2 * slot
@@ -84,6 +84,10 @@ class PageIdStaging:
         if n and (self.ids[src_at: src_at + n].min() < 0 or self.ids[src_at: src_at + n].max() >= src_limit):
             raise ValueError(f"source page ids outside [0, {src_limit})")
         return self.host[src_at: src_at + n], self.host[dst_at: dst_at + n]
+
+    def read_by(self, copy_done: torch.cuda.Event) -> None:
+        """The staged lists are read by the copy that this event follows on the device."""
+        self._last_reader = copy_done
 
 
 class KvPuller:
@@ -146,7 +150,7 @@ class KvPuller:
         if self.local.kv.is_cuda:  # the ids are in host memory either way
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-            self.staging.last_reader = done
+            self.staging.read_by(done)
             self._copying.append(_Copying(task.request_id, task.prefill_worker_id, started_at, done))
         else:
             landed_at = time.time()
