@@ -55,8 +55,9 @@ class GraphedDecode:
                  all_gemv=sorted(model.linears.gemv_rows & set(self.sizes)))
 
     def _capture_fastest(self, size: int, max_pages: int, memory_pool) -> _Captured:
-        chosen = self._capture(size, max_pages, memory_pool)
         linears = self.model.linears
+        linears.gemv_rows.discard(size)  # an earlier GraphedDecode of this model may have set it
+        chosen = self._capture(size, max_pages, memory_pool)
         if not linears.uses_cublas(size):
             return chosen
         linears.gemv_rows.add(size)
