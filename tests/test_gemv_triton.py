@@ -241,17 +241,11 @@ def test_cuda_graph_replay_cuda():
 def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     """Graph warm-up makes one choice per (batch, weight shape); the graphed step with those
     choices, and an eager step forced onto the GEMV, give cuBLAS's logits."""
-    from services.decode.batch import DecodingRequest, step_inputs
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv_pool import (
-        PageAllocator,
-        allocate_local_pool,
-        make_layout,
-        pages_for,
-    )
-    from shared.messages import SamplingParams, StopParams
+    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
+    from tests.decode_inputs import prefilled_step_inputs
 
     hf = random_hf_model("random:llama-tiny", dtype, "cuda:0")
     chosen, forced, cublas = (PagedLlama.from_hf(hf, "cuda:0") for _ in range(3))
@@ -265,13 +259,7 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
                chosen.lm_head]
     assert set(chosen.linears.choices) == {(rows, *w.shape, dtype) for rows in (1, 4, 8) for w in weights}
 
-    requests = []
-    for i, length in enumerate([5, 40, 17]):
-        pages = allocator.allocate(pages_for(length + 8, 16))
-        cublas.prefill(list(range(3, 3 + length)), pool, pages)
-        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
-                                        StopParams(8, True)))
-    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    inputs = prefilled_step_inputs(cublas, pool, allocator, [5, 40, 17])
     kv_before = pool.kv.clone()
     logits = {}
     for name, step in (("graphed", lambda: graphs.step(inputs)),
@@ -304,25 +292,18 @@ def test_rows_put_on_the_gemv_take_it_where_cublas_was_chosen():
 def test_a_bucket_with_cublas_matmuls_keeps_its_faster_capture():
     """Where some matmul of a bucket chose cuBLAS, the bucket is captured both ways and timed; the
     faster capture is kept, and either gives the eager step's logits."""
-    from services.decode.batch import DecodingRequest, step_inputs
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
-    from shared.messages import SamplingParams, StopParams
+    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
+    from tests.decode_inputs import prefilled_step_inputs
 
     model = PagedLlama.from_hf(random_hf_model("random:llama-tiny", torch.float32, "cuda:0"), "cuda:0")
     layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     scratch = allocator.allocate(1)[0]
-    requests = []
-    for i, length in enumerate([5, 40, 17, 9]):
-        pages = allocator.allocate(pages_for(length + 8, 16))
-        model.prefill(list(range(3, 3 + length)), pool, pages)
-        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
-                                        StopParams(8, True)))
-    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    inputs = prefilled_step_inputs(model, pool, allocator, [5, 40, 17, 9])
     kv_before = pool.kv.clone()
     eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool).clone()
     for key, choice in model.linears.choices.items():  # as if cuBLAS had won every shape of 4 rows

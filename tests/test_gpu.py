@@ -131,23 +131,16 @@ def test_decode_stream_has_the_highest_priority():
 
 
 def test_graphed_decode_equals_eager():
-    from services.decode.batch import DecodingRequest, step_inputs
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.messages import SamplingParams, StopParams
     from shared.model.llama import load_paged_llama
+    from tests.decode_inputs import prefilled_step_inputs
 
     model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
     layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
-    requests = []
-    for i, length in enumerate([5, 40, 17]):
-        pages = allocator.allocate(pages_for(length + 8, 16))
-        model.prefill(list(range(3, 3 + length)), pool, pages)
-        requests.append(DecodingRequest(f"r{i}", pages, length, 7 + i, 1, SamplingParams(0, 1, 0, 0),
-                                        StopParams(8, True)))
-    inputs = step_inputs(requests, 16, torch.device("cuda:0"))
+    inputs = prefilled_step_inputs(model, pool, allocator, [5, 40, 17])
     kv_before = pool.kv.clone()
     graphed = graphs.step(inputs).clone()
     pool.kv.copy_(kv_before)
