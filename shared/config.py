@@ -70,6 +70,20 @@ class RouterConfig:
     runtime_dir: str = field(default_factory=default_runtime_dir)
     # A worker silent for this long is declared dead and its requests fail with UNAVAILABLE.
     heartbeat_timeout_s: float = _positive(default=3.0)
+    # A worker whose main loop has not come round for this long (a hung kernel, a deadlock) is
+    # dropped even though its heartbeat thread still beats. It must exceed the longest legitimate
+    # step: one prefill.chunk_tokens chunk, about 15 s for 128K tokens of an 8B model on one H200.
+    progress_timeout_s: float = _positive(default=120.0)
+    # Every stage of a request has a timeout, so that a lost frame or a wedged peer ends it with
+    # UNAVAILABLE instead of never: the prefill's queue and compute (PrefillTask -> KvReady), the
+    # handoff (KvReady -> the decode's first token), and the decode (the longest gap between two
+    # tokens). The router queue's is admission_timeout_s.
+    prefill_timeout_s: float = _positive(default=600.0)
+    handoff_timeout_s: float = _positive(default=60.0)
+    decode_token_timeout_s: float = _positive(default=60.0)
+    # A stream whose client has not taken its tokens for this long (its HTTP/2 window is full) is
+    # cancelled; its KV room went back to admission when the decode finished it.
+    stall_timeout_s: float = _positive(default=30.0)
     # Requests waiting for KV room beyond this count are refused with RESOURCE_EXHAUSTED.
     max_waiting_requests: int = _positive(default=256)
     # A request waits at most this long for KV room before RESOURCE_EXHAUSTED.
@@ -107,6 +121,8 @@ class KvConfig:
 @dataclass
 class WorkerConfig:
     heartbeat_interval_s: float = _positive(default=0.5)
+    # A worker whose Register gets neither Registered nor Refused within this long exits 1.
+    register_timeout_s: float = _positive(default=60.0)
     # Required on a tcp:// router.zmq_address: this worker's zmq.auth secret-key certificate, and
     # the router's public-key certificate (router.key), so the worker talks only to that router.
     zmq_secret_key_file: str = ""

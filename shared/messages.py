@@ -9,6 +9,11 @@ socket; workers never talk to each other. A request's journey:
     router --Abort--> worker        (client gone, stop string hit, or shutdown)
     worker --Failed--> router       (the request cannot go on)
 
+Request ids on this wire are made by the router, unique per router incarnation; the client's own
+request_id is only a label (logs and responses). A worker registers with a handshake (Register ->
+Registered or Refused); the router's epoch in Registered tells it the router it serves, and a
+worker that registers again (the router restarted, or dropped it) first drops every request it held.
+
 KV bytes never travel here: the prefill exports its pool once (KvPoolHandle), the router
 passes the handle to every decode (PoolAvailable), and per request only page ids move.
 On the wire each message is a msgpack array [kind, field, ...] (shared/wire.py).
@@ -37,6 +42,14 @@ class ErrorCode(StrEnum):
     INTERNAL = "INTERNAL"
 
 
+# Bumped on any change to the messages below: the router refuses a worker of another version.
+PROTOCOL_VERSION = 2
+
+# Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
+# so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
+EXIT_REFUSED = 78
+
+
 class MsgKind(IntEnum):
     REGISTER = 1
     REGISTERED = 2
@@ -53,6 +66,7 @@ class MsgKind(IntEnum):
     ABORT = 16
     FAILED = 17
     DEREGISTER = 18
+    REFUSED = 19
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,9 @@ class KvPoolHandle:
 class Register:
     worker_id: str
     role: Role
-    pid: int
+    protocol_version: int      # PROTOCOL_VERSION of the worker's code
+    incarnation: str           # random per process start: a pid repeats across containers
+    pid: int                   # for operators' logs only
     total_pages: int
     page_size: int
     pool: KvPoolHandle | None  # prefill only
@@ -104,15 +120,28 @@ class Register:
 
 @dataclass(frozen=True)
 class Registered:
-    router_started_at: float  # lets a worker tell a restarted router from the old one in its logs
+    router_epoch: str  # random per router start; the worker's heartbeats carry it back
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The router will not take this worker (another protocol version, page size, ...): it exits."""
+    reason: str
 
 
 @dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
+    router_epoch: str  # the router this worker registered with; another epoch means: register again
     free_pages: int
     running: int
     waiting: int
+    # Seconds since the worker's main loop last came round: a stuck loop whose heartbeat thread
+    # still beats shows here, and the router drops it past router.progress_timeout_s.
+    stalled_s: float
+    # The requests whose pages the worker holds: the router aborts those it no longer knows, so
+    # pages can never stay held by a request the router forgot.
+    holding: list[str]
 
 
 @dataclass(frozen=True)
@@ -229,4 +258,5 @@ MESSAGE_TYPES: dict[MsgKind, type] = {
     MsgKind.ABORT: Abort,
     MsgKind.FAILED: Failed,
     MsgKind.DEREGISTER: Deregister,
+    MsgKind.REFUSED: Refused,
 }
