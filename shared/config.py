@@ -19,6 +19,9 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from shared.runtime_dir import UnsafePath, prepare_runtime_dir
+from shared.zmq_security import KeyPolicy
+
 
 class ConfigError(ValueError):
     pass
@@ -89,10 +92,19 @@ class RouterConfig:
     # A request waits at most this long for KV room before RESOURCE_EXHAUSTED.
     admission_timeout_s: float = _positive(default=30.0)
     max_request_bytes: int = _positive(default=4 * 1024 * 1024)
+    # gRPC calls served at once (streams, health checks and ListWorkers alike); the excess get
+    # RESOURCE_EXHAUSTED from gRPC before any handler runs, so a flood of calls cannot pile up
+    # coroutines and memory. Well above max_waiting_requests plus the streams the workers can run.
+    max_concurrent_rpcs: int = _positive(default=1024)
+    # A prompt's bytes (its text, the messages' content summed, or 4 per prompt_token_id), refused
+    # with INVALID_ARGUMENT before it is tokenized: tokenizing takes CPU time that grows with the
+    # text. 1 MiB is some 250K tokens, above the context of the models served.
+    max_prompt_bytes: int = _positive(default=1024 * 1024)
     grace_period_s: float = field(default=5.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
     # Required on a tcp:// zmq_address, unused on ipc:// (shared/zmq_security.py says why): the
     # router's CURVE key pair, a zmq.auth secret-key certificate (router.key_secret), and the
-    # folder of the workers' public-key certificates (*.key) it admits, read at start.
+    # folder of the workers' public-key certificates (*.key) it admits, read at start. Each
+    # certificate's metadata names the role and worker ids its key may register as.
     zmq_secret_key_file: str = ""
     zmq_authorized_keys_dir: str = ""
     # gRPC over TLS: a PEM certificate chain and its private key, both or neither; empty: plaintext.
@@ -224,6 +236,10 @@ class Config:
                 if not list(Path(router.zmq_authorized_keys_dir).glob("*.key")):
                     raise ConfigError(f"router.zmq_authorized_keys_dir: {router.zmq_authorized_keys_dir} holds no "
                                       "public-key certificate (*.key): no worker could connect")
+                try:
+                    KeyPolicy.from_folder(router.zmq_authorized_keys_dir)
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"router.zmq_authorized_keys_dir: {exc}") from None
             for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
                 path = getattr(router, name)
                 if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
@@ -347,6 +363,7 @@ def parse_service_config(service: str) -> Config:
     try:
         config = load_config(parser.parse_args())
         config.validate_service(service)
+        prepare_runtime_dir(config.router.runtime_dir)
         return config
-    except ConfigError as exc:
+    except (ConfigError, UnsafePath) as exc:
         parser.error(str(exc))

@@ -1,14 +1,17 @@
-"""Security: CURVE on a tcp:// ZeroMQ socket, TLS and a bearer token on gRPC, no pickle or eval.
+"""Security: CURVE on a tcp:// ZeroMQ socket, each key bound to its worker ids, TLS and a bearer
+token on gRPC, no pickle or eval.
 
 The promises are checked against the real processes and sockets (tests.stack.ServiceStack): two
-stacks (CURVE, TLS + token) and two processes that must refuse to start. Config checks and the
-source scan run in-process.
+stacks (CURVE, TLS + token), a worker whose key does not grant its id, and two processes that
+must refuse to start. Config checks, the key policy and the source scan run in-process.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq
+import zmq.asyncio
 import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -24,8 +28,9 @@ from pdserve.v1 import generation_pb2
 
 from shared import wire
 from shared.config import ConfigError, load_config
-from shared.messages import Heartbeat, Register, Reregister, Role
-from tests.stack import REPO, ServiceStack, free_port
+from shared.messages import EXIT_REFUSED, PROTOCOL_VERSION, Heartbeat, Register, Reregister, Role
+from shared.zmq_security import KeyPolicy, secure_server
+from tests.stack import REPO, SERVICES, ServiceStack, free_port
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 TOKEN = "s3cret-token-for-tests"
@@ -38,25 +43,41 @@ def _generate(stub, metadata=()) -> int:
 
 # ---- CURVE on tcp:// ----
 
+# Admitted keys and what each may register as; intruder's key is made but not admitted.
+GRANTS = {"prefill": ("prefill", "prefill-*"), "decode": ("decode", "decode-*"),
+          "probe": ("decode", "probe-0, probe-1")}
+
+
+def _authorize(public_key: Path, folder: Path, role: str, worker_ids: str) -> None:
+    """The public-key certificate, with the metadata that binds it, into the authorized folder:
+    what README.md's Security part does with sed."""
+    grant = f"    role = {role}\n    worker_ids = {worker_ids}\n"
+    text = public_key.read_text().replace("\nmetadata\n", f"\nmetadata\n{grant}")
+    (folder / public_key.name).write_text(text)
+
+
 def _curve_keys(folder: Path) -> dict[str, Path]:
-    """router, worker (prefill and decode share it here) and probe are admitted; intruder is not."""
     certs, admitted = folder / "certs", folder / "admitted"
     certs.mkdir(parents=True)
     admitted.mkdir()
-    for name in ("router", "worker", "probe", "intruder"):
+    for name in ("router", *GRANTS, "intruder"):
         zmq.auth.create_certificates(certs, name)
-    for name in ("worker", "probe"):
-        shutil.copy(certs / f"{name}.key", admitted)
+    for name, (role, worker_ids) in GRANTS.items():
+        _authorize(certs / f"{name}.key", admitted, role, worker_ids)
     return {"certs": certs, "admitted": admitted}
 
 
 def _curve_settings(endpoint: str, keys: dict[str, Path]) -> dict[str, str]:
+    """What every service gets; each worker's own key pair is _worker_key's."""
     certs = keys["certs"]
     return {"PDSERVE_ROUTER_ZMQ_ADDRESS": endpoint,
             "PDSERVE_ROUTER_ZMQ_SECRET_KEY_FILE": str(certs / "router.key_secret"),
             "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(keys["admitted"]),
-            "PDSERVE_WORKER_ZMQ_SECRET_KEY_FILE": str(certs / "worker.key_secret"),
             "PDSERVE_WORKER_ZMQ_ROUTER_PUBLIC_KEY_FILE": str(certs / "router.key")}
+
+
+def _worker_key(keys: dict[str, Path], name: str) -> dict[str, str]:
+    return {"PDSERVE_WORKER_ZMQ_SECRET_KEY_FILE": str(keys["certs"] / f"{name}.key_secret")}
 
 
 def _peer_replies(endpoint: str, frames: list[object], key_pair: Path | None, router_key: Path,
@@ -81,32 +102,60 @@ def _peer_replies(endpoint: str, frames: list[object], key_pair: Path | None, ro
         context.term()
 
 
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory) -> dict[str, Path]:
+    return _curve_keys(tmp_path_factory.mktemp("curve-keys"))
+
+
+@pytest.fixture(scope="module")
+def curve_stack(tmp_path_factory, checkpoint, curve_keys):
+    """The stack on tcp:// with CURVE: the prefill and the decode each with a key of its own."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with ServiceStack(tmp_path_factory.mktemp("curve"), CACHE_DIR,
+                      service_env={name: _worker_key(curve_keys, name) for name in ("prefill", "decode")},
+                      **_curve_settings(endpoint, curve_keys)) as stack:
+        yield stack
+        stack.assert_pools_drained()
+        codes = stack.stop()
+    assert {name: codes[name] for name in SERVICES} == {name: 0 for name in SERVICES}
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_curve_admits_only_authorized_workers(tmp_path, checkpoint):
-    keys = _curve_keys(tmp_path / "keys")
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    (tmp_path / "stack").mkdir()
-    router_key = keys["certs"] / "router.key"
+def test_curve_admits_only_authorized_workers(curve_stack, curve_keys):
+    stack, certs = curve_stack, curve_keys["certs"]
+    endpoint, router_key = stack.env["PDSERVE_ROUTER_ZMQ_ADDRESS"], certs / "router.key"
     # Valid frames: without CURVE the router would register this peer as a decode and answer.
-    register = Register("intruder-0", Role.DECODE, os.getpid(), 64, 16, None)
-    heartbeat = Heartbeat("intruder-0", 64, 0, 0)
-    with ServiceStack(tmp_path / "stack", CACHE_DIR, **_curve_settings(endpoint, keys)) as stack:
-        assert _generate(stack.stub) == 3  # the workers registered over CURVE with admitted keys
+    register = Register("intruder-0", Role.DECODE, PROTOCOL_VERSION, "intruder", os.getpid(), 64, 16, None)
+    heartbeat = Heartbeat("intruder-0", "", 64, 0, 0, 0.0, [])
+    assert _generate(stack.stub) == 3  # the workers registered over CURVE with admitted keys
 
-        # Control: an admitted key's heartbeat reaches the router, which asks the unknown peer to register.
-        assert _peer_replies(endpoint, [heartbeat], keys["certs"] / "probe.key_secret", router_key) == [Reregister()]
-        # No keys, or a key pair not in the admitted folder: the handshake fails, nothing arrives.
-        assert _peer_replies(endpoint, [register, heartbeat], None, router_key) == []
-        assert _peer_replies(endpoint, [register, heartbeat], keys["certs"] / "intruder.key_secret", router_key) == []
+    # Control: an admitted key's heartbeat reaches the router, which asks the unknown peer to register.
+    assert _peer_replies(endpoint, [heartbeat], certs / "probe.key_secret", router_key) == [Reregister()]
+    # No keys, or a key pair not in the admitted folder: the handshake fails, nothing arrives.
+    assert _peer_replies(endpoint, [register, heartbeat], None, router_key) == []
+    assert _peer_replies(endpoint, [register, heartbeat], certs / "intruder.key_secret", router_key) == []
 
-        assert sorted(w.worker_id for w in stack.workers()) == ["decode-0", "prefill-0"]
-        assert _generate(stack.stub) == 3
-        stack.assert_pools_drained()
-        log = stack.log_path("router").read_text()
-        assert "intruder-0" not in log and log.count('"worker registered"') == 2
-        codes = stack.stop()
-    assert codes == {name: 0 for name in codes}
+    assert sorted(w.worker_id for w in stack.workers()) == ["decode-0", "prefill-0"]
+    assert _generate(stack.stub) == 3
+    log = stack.log_path("router").read_text()
+    assert "intruder-0" not in log and log.count('"worker registered"') == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_decode_key_cannot_register_a_prefill(curve_stack, curve_keys):
+    """The decode's key is admitted, but its certificate grants decode-* only. A second prefill-0
+    that connects with it is refused: it exits EXIT_REFUSED (a restart would be refused again),
+    and the router keeps, and serves with, the prefill-0 whose key grants it."""
+    stack, rogue = curve_stack, "services.prefill"  # a name of its own beside the stack's prefill
+    stack.service_env[rogue] = {**_worker_key(curve_keys, "decode"), "PDSERVE_PREFILL_METRICS_ADDRESS": ""}
+    stack.start(rogue)
+    assert stack.processes[rogue].wait(timeout=240) == EXIT_REFUSED, stack.tail(rogue)
+    assert "refused" in stack.tail(rogue)
+    assert sorted((w.worker_id, w.role) for w in stack.workers()) == [("decode-0", "decode"), ("prefill-0", "prefill")]
+    assert stack.log_path("router").read_text().count('"worker registered"') == 2
+    assert _generate(stack.stub) == 3
 
 
 @pytest.mark.e2e
@@ -134,7 +183,8 @@ def test_config_checks_keys_per_service(tmp_path):
     keys = _curve_keys(tmp_path)
     for service in ("router", "prefill", "decode"):
         _config().validate_service(service)  # ipc:// needs no keys
-        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service(service)
+        both = {**_curve_settings("tcp://127.0.0.1:5555", keys), **_worker_key(keys, "decode")}
+        _config(**both).validate_service(service)
     router_only = {k: v for k, v in _curve_settings("tcp://127.0.0.1:5555", keys).items() if "_WORKER_" not in k}
     _config(**router_only).validate_service("router")  # the router needs no worker's key, and back
     with pytest.raises(ConfigError, match="set worker.zmq_secret_key_file and worker.zmq_router_public_key_file"):
@@ -146,6 +196,75 @@ def test_config_checks_keys_per_service(tmp_path):
     with pytest.raises(ConfigError, match="holds no public-key certificate"):
         _config(**{**router_only, "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(tmp_path / "empty")}
                 ).validate_service("router")
+
+
+@pytest.mark.parametrize(("metadata", "words"), [
+    ("", "does not say which worker it admits: add `role = prefill`"),  # as zmq.auth writes a .key
+    ("    role = decode\n", "does not say which worker it admits"),
+    ("    role = router\n    worker_ids = decode-*\n", "role 'router' must be prefill or decode"),
+    ("    role = decode\n    worker_ids = ,\n", "worker_ids names no worker"),
+])
+def test_router_refuses_a_certificate_that_grants_no_worker(tmp_path, metadata, words):
+    keys = _curve_keys(tmp_path)
+    zmq.auth.create_certificates(tmp_path, "vague")
+    text = (tmp_path / "vague.key").read_text().replace("\nmetadata\n", f"\nmetadata\n{metadata}")
+    (keys["admitted"] / "vague.key").write_text(text)
+    with pytest.raises(ConfigError, match=f"router.zmq_authorized_keys_dir: .*vague.key.* {re.escape(words)}"):
+        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service("router")
+
+
+def test_router_refuses_one_key_under_two_certificates(tmp_path):
+    keys = _curve_keys(tmp_path)
+    shutil.copy(keys["admitted"] / "decode.key", keys["admitted"] / "decode-again.key")
+    with pytest.raises(ConfigError, match="hold the same public key"):
+        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service("router")
+
+
+def test_key_policy_permits_only_the_granted_role_and_ids(tmp_path):
+    policy = KeyPolicy.from_folder(_curve_keys(tmp_path)["admitted"])
+    assert sorted(policy.grants) == ["decode.key", "prefill.key", "probe.key"]
+    assert policy.permits("decode.key", "decode-0", Role.DECODE)
+    assert policy.permits("decode.key", "decode-east-12", Role.DECODE)  # a glob
+    assert policy.permits("probe.key", "probe-1", Role.DECODE)  # a list
+    assert policy.permits("prefill.key", "prefill-0", Role.PREFILL)
+    assert not policy.permits("decode.key", "prefill-0", Role.PREFILL)  # another key's id
+    assert not policy.permits("decode.key", "decode-0", Role.PREFILL)  # its ids, in another role
+    assert not policy.permits("decode.key", "my-decode-0", Role.DECODE)  # a glob matches the whole id
+    assert not policy.permits("probe.key", "probe-2", Role.DECODE)
+    assert not policy.permits("intruder.key", "decode-0", Role.DECODE)  # not admitted
+    assert not policy.permits(None, "decode-0", Role.DECODE)  # a frame without a User-Id
+
+
+def test_each_connection_is_named_by_its_certificate(tmp_path):
+    """What the router reads per frame: the ZAP User-Id, which secure_server's authenticator sets
+    to the admitted certificate's file name, and which the returned policy takes."""
+    keys = _curve_keys(tmp_path)
+    router = _config(**_curve_settings(f"tcp://127.0.0.1:{free_port()}", keys)).router
+
+    async def user_ids() -> list[str]:
+        context = zmq.asyncio.Context()
+        server = context.socket(zmq.ROUTER)
+        security = secure_server(server, router)
+        server.bind(router.zmq_address)
+        seen = []
+        for name in ("decode", "probe"):
+            client = context.socket(zmq.DEALER)
+            client.curve_publickey, client.curve_secretkey = zmq.auth.load_certificate(
+                keys["certs"] / f"{name}.key_secret")
+            client.curve_serverkey = zmq.auth.load_certificate(keys["certs"] / "router.key")[0]
+            client.connect(router.zmq_address)
+            await client.send(b"hello")
+            frames = await asyncio.wait_for(server.recv_multipart(copy=False), timeout=10)
+            seen.append(frames[-1].get("User-Id"))
+            client.close(linger=0)
+        assert security.permits(seen[0], "decode-0", Role.DECODE)
+        assert not security.permits(seen[0], "prefill-0", Role.PREFILL)
+        server.close(linger=0)
+        security.stop()
+        context.term()
+        return seen
+
+    assert asyncio.run(user_ids()) == ["decode.key", "probe.key"]
 
 
 def test_config_checks_tls_and_token(tmp_path):

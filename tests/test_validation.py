@@ -7,6 +7,7 @@ import pytest
 from pdserve.v1 import generation_pb2 as pb
 
 from services.router.validation import InvalidRequest, ModelLimits, build_job, check_request_shape
+from shared.config import RouterConfig
 
 LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)
 PROMPT_IDS = [5, 6, 7, 8]
@@ -140,3 +141,25 @@ def test_chat_and_prompt_inputs_build_jobs():
     """The tokenized prompt comes from the caller; build_job validates it the same way."""
     assert build_job(request(prompt="hi"), [9, 10], LIMITS).prompt_token_ids == [9, 10]
     assert build_job(request(messages=[("user", "hi")]), [9], LIMITS).prompt_token_ids == [9]
+
+
+@pytest.mark.parametrize(("fields", "size"), [
+    (dict(prompt="é" * 6), 12),  # UTF-8 bytes, not characters
+    (dict(messages=[("user", "abc"), ("assistant", "de")]), 4 + 3 + 9 + 2),  # roles and content
+    (dict(prompt_token_ids=[1, 2, 3]), 12),  # 4 per id
+])
+def test_prompt_bytes_are_capped_before_tokenizing(fields, size):
+    check_request_shape(request(**fields), max_prompt_bytes=size)  # at the cap: taken
+    with pytest.raises(InvalidRequest, match=rf": {size} bytes, above router.max_prompt_bytes \({size - 1}\)"):
+        check_request_shape(request(**fields), max_prompt_bytes=size - 1)
+    capped = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256, max_prompt_bytes=size - 1)
+    with pytest.raises(InvalidRequest, match="router.max_prompt_bytes"):  # build_job runs the same check
+        build_job(request(**fields), PROMPT_IDS, capped)
+
+
+def test_prompt_bytes_default_to_the_configs():
+    limit = RouterConfig().max_prompt_bytes
+    check_request_shape(request(prompt="x" * limit))
+    with pytest.raises(InvalidRequest, match=f"above router.max_prompt_bytes \\({limit}\\)"):
+        check_request_shape(request(prompt="x" * (limit + 1)))
+    assert LIMITS.max_prompt_bytes == limit

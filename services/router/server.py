@@ -53,7 +53,7 @@ async def serve(config: Config) -> None:
     server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
-    ])
+    ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router, tokenizer, limits), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -6,6 +6,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from shared.config import RouterConfig
 from shared.messages import SamplingParams, StopParams
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -23,6 +24,7 @@ class ModelLimits:
     vocab_size: int
     max_context: int
     default_max_tokens: int
+    max_prompt_bytes: int = RouterConfig.max_prompt_bytes  # router.max_prompt_bytes
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,19 @@ def _stop_strings(request) -> list[str]:
     return stops
 
 
-def check_request_shape(request) -> None:
-    """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing."""
+def _prompt_bytes(request) -> int:
+    """What the input weighs before tokenizing: its text's UTF-8 bytes (a message's role too), or
+    4 per token id (an int32)."""
+    if request.HasField("prompt"):
+        return len(request.prompt.encode())
+    if request.messages:
+        return sum(len(m.role) + len(m.content.encode()) for m in request.messages)
+    return 4 * len(request.prompt_token_ids)
+
+
+def check_request_shape(request, max_prompt_bytes: int = RouterConfig.max_prompt_bytes) -> None:
+    """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing.
+    max_prompt_bytes is router.max_prompt_bytes (its default when not given)."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     given = [name for name, present in (
@@ -69,6 +82,10 @@ def check_request_shape(request) -> None:
         raise InvalidRequest("no input: set one of prompt, messages or prompt_token_ids")
     if len(given) > 1:
         raise InvalidRequest(f"give exactly one input, got {' and '.join(given)}")
+    size = _prompt_bytes(request)
+    if size > max_prompt_bytes:
+        raise InvalidRequest(f"{given[0]}: {size} bytes, above router.max_prompt_bytes ({max_prompt_bytes}); "
+                             "text counts in UTF-8 bytes, a prompt token id as 4")
     if request.HasField("prompt") and not request.prompt:
         raise InvalidRequest("prompt is empty")
     for message in request.messages:
@@ -91,7 +108,7 @@ def tokenize(request, tokenizer) -> list[int]:
 
 
 def build_job(request, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
-    check_request_shape(request)
+    check_request_shape(request, limits.max_prompt_bytes)
     if not prompt_token_ids:
         raise InvalidRequest("the prompt tokenizes to no tokens")
     bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)

@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from shared.model.llama import LlamaWeights, PagedLlama
+from shared.runtime_dir import write_private_file
 
 
 def weights_file(runtime_dir: str, prefill_worker_id: str) -> Path:
@@ -30,9 +31,8 @@ def publish_weights(model: PagedLlama, path: Path) -> None:
         shared = tensor.untyped_storage()._share_cuda_()  # noqa: SLF001  the call torch.multiprocessing uses
         entries[name] = [list(shared), tensor.storage_offset(), list(tensor.shape), list(tensor.stride()),
                          str(tensor.dtype).removeprefix("torch.")]
-    staging = path.with_suffix(".tmp")
-    staging.write_bytes(msgpack.packb({"pid": os.getpid(), "tensors": entries}, use_bin_type=True))
-    os.replace(staging, path)  # a reader sees the whole file or none
+    # Whole or not at all for a reader, and through no symlink planted in the runtime folder.
+    write_private_file(path, msgpack.packb({"pid": os.getpid(), "tensors": entries}, use_bin_type=True))
 
 
 def map_weights(config, path: Path, device: torch.device | str, timeout_s: float) -> tuple[PagedLlama, int]:
