@@ -11,6 +11,7 @@ of our units counts as a failure.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import subprocess
 import typing
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import Config, parse_cores
+from shared.messages import EXIT_REFUSED
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNITS = sorted(p.name for p in UNIT_DIR.iterdir() if p.suffix in (".service", ".target"))
@@ -66,8 +68,9 @@ def instance_name(unit: str) -> str:
     return unit.replace("@.", "@0.")
 
 
-def verify(tmp_path: Path, replace: dict[str, str] | None = None) -> list[str]:
-    """What `systemd-analyze verify` says against our units; `replace` swaps in other unit texts."""
+def verify(tmp_path: Path, replace: dict[str, str] | None = None, dropins: dict[str, str] | None = None) -> list[str]:
+    """What `systemd-analyze verify` says against our units; `replace` swaps in other unit texts,
+    `dropins` adds files under /etc/systemd/system by their path there."""
     root = tmp_path / "root"
     host_units = next((d for d in HOST_UNIT_DIRS if (d / "sysinit.target").exists()), None)
     if host_units is None:
@@ -84,6 +87,9 @@ def verify(tmp_path: Path, replace: dict[str, str] | None = None) -> list[str]:
                 binary.parent.mkdir(parents=True, exist_ok=True)
                 binary.write_text("#!/bin/sh\n")
                 binary.chmod(0o755)
+    for path, text in (dropins or {}).items():
+        (ours / path).parent.mkdir(parents=True, exist_ok=True)
+        (ours / path).write_text(text)
     result = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", f"--root={root}", *map(instance_name, UNITS)],
         check=False, capture_output=True, text=True, timeout=60)
@@ -103,6 +109,7 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path):
     ("Restart=on-failure", "Restat=on-failure"),     # a typo'd directive
     ("Restart=on-failure", "Restart=sometimes"),     # a bad value
     ("DeviceAllow=char-nvidia rw", "DeviceAllow=char-nvidia rx"),  # verify exits 0 on this one
+    ("SystemCallFilter=@system-service", "SystemCallFilter=@system-services"),
 ])
 def test_verify_catches_a_broken_unit(tmp_path, broken):
     """The check above can fail: a broken copy of the decode unit is reported."""
@@ -122,6 +129,33 @@ def test_every_service_restarts_runs_as_its_own_user_and_is_hardened(name):
                        ("RestrictSUIDSGID", "yes"), ("LockPersonality", "yes")]:
         assert unit.get(f"Service.{key}") == [value], key
     assert "Service.PrivateIPC" not in unit
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_every_service_is_confined_further(name):
+    unit = directives(name)
+    for key, value in [("CapabilityBoundingSet", ""), ("SystemCallFilter", "@system-service"),
+                       ("SystemCallErrorNumber", "EPERM"), ("RestrictNamespaces", "yes"),
+                       ("ProtectKernelModules", "yes"), ("ProtectProc", "invisible"), ("UMask", "0077")]:
+        assert unit.get(f"Service.{key}") == [value], key
+    # Only the router binds ZeroMQ on tcp://, whose interface lookup opens a netlink socket.
+    netlink = ["AF_NETLINK"] if name == "pdserve-router.service" else []
+    assert unit["Service.RestrictAddressFamilies"] == [" ".join(["AF_UNIX", "AF_INET", "AF_INET6", *netlink])]
+    assert len(unit["Service.MemoryMax"]) == 1 and re.fullmatch(r"\d+G", unit["Service.MemoryMax"][0])
+    assert "Service.MemoryDenyWriteExecute" not in unit  # Triton's and CUDA's JIT
+
+
+@pytest.mark.parametrize("name", [*WORKERS.values(), "pdserve-colocated@.service"])
+def test_a_worker_the_router_refused_is_not_restarted(name):
+    assert directives(name)["Service.RestartPreventExitStatus"] == [str(EXIT_REFUSED)]
+
+
+@needs_systemd_analyze
+def test_an_instance_takes_its_memory_limit_from_a_drop_in(tmp_path):
+    """deploy/README.md's way to change MemoryMax= (a value systemd does not expand variables in)."""
+    dropin = "pdserve-decode@0.service.d/memory.conf"
+    assert verify(tmp_path / "good", dropins={dropin: "[Service]\nMemoryMax=200G\n"}) == []
+    assert verify(tmp_path / "bad", dropins={dropin: "[Service]\nMemoryMax=lots\n"}) != []  # read, so checked
 
 
 @pytest.mark.parametrize("name", PDSERVE_SERVICES)
