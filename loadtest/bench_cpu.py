@@ -3,9 +3,9 @@
 Prints one JSON document to stdout; progress goes to stderr. Everything is measured in the same
 run because the CPU machines are shared and noisy:
   1. the stack (router, prefill, decode as real processes) on 16/256/1024-token prompts, one
-     request at a time: TTFT, decode tokens/s, end-to-end time, and the KV handoff from both
-     sides (the decode's page copy from the router's log, and the client's first-to-second
-     token gap);
+     request at a time: TTFT, decode tokens/s, end-to-end time, the server's stages (the last
+     chunk's StageTimings), and the KV handoff from both sides (the server's kv_handoff_s, and
+     the client's first-to-second token gap);
   2. the stack with 8 requests of 256 tokens started together;
   3. transformers' generate() on the same prompts, while the stack is idle;
   4. the memory read rate of one thread, which bounds any decode step from below.
@@ -19,19 +19,20 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
 import transformers
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc
 
+from loadtest.generate_client import STAGE_FIELDS, StreamRecord, generate, generate_request
+from loadtest.percentiles import quantile
 from loadtest.report import emit
+from loadtest.workload import RequestSpec
 from shared.model.loader import load_tokenizer, resolve_checkpoint
 from tests.stack import ServiceStack
 
@@ -40,8 +41,6 @@ PROMPT_LENGTHS = (16, 256, 1024)
 CONCURRENT_REQUESTS = 8
 CONCURRENT_PROMPT_LENGTH = 256
 REQUEST_TIMEOUT_S = 300.0
-LOG_WAIT_S = 15.0
-ROUTER_TIMINGS = ("admission_s", "prefill_queue_s", "prefill_compute_s", "ttft_s", "kv_pull_s", "total_s")
 GIB = 1 << 30
 # Real prose, so attention and the lm_head see ordinary token statistics; repeated to length.
 SOURCE_TEXT = (
@@ -58,7 +57,7 @@ def progress(message: str) -> None:
 def summary(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"median": round(statistics.median(values), 6), "min": round(min(values), 6)}
+    return {"median": round(quantile(values, 0.5), 6), "min": round(min(values), 6)}
 
 
 def median_of(stats: dict | None) -> float | None:
@@ -77,42 +76,30 @@ def make_prompts(tokenizer, lengths) -> dict[int, list[int]]:
 
 # ---- the stack, through gRPC ----
 
-@dataclass
-class Timeline:
-    """When each generated token reached the client (one chunk per token; times from perf_counter)."""
-    request_id: str
-    sent: float
-    arrivals: list[float] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-    def metrics(self) -> dict[str, float]:
-        t = self.arrivals
-        return {
-            "ttft_s": t[0] - self.sent,
-            "e2e_s": t[-1] - self.sent,
-            "decode_tokens_per_s": (len(t) - 1) / (t[-1] - t[0]),
-            # The prefill's token, then the first decode step's: KvReady -> router -> DecodeTask
-            # -> page copy -> one decode step -> TokenBatch -> router -> client.
-            "prefill_done_to_first_decode_token_s": t[1] - t[0],
-            "steady_decode_step_s": statistics.median(later - earlier for earlier, later in zip(t[1:], t[2:])),
-        }
+def client_metrics(record: StreamRecord) -> dict[str, float]:
+    return {
+        "ttft_s": record.ttft_s,
+        "e2e_s": record.e2e_s,
+        "decode_tokens_per_s": 1 / record.tpot_s,
+        # The prefill's token, then the first decode step's: KvReady -> router -> DecodeTask
+        # -> page copy -> one decode step -> TokenBatch -> router -> client.
+        "prefill_done_to_first_decode_token_s": record.itls_s[0],
+        "steady_decode_step_s": quantile(record.itls_s[1:], 0.5),
+    }
 
 
-async def stream_request(stub, request_id: str, prompt: list[int], max_tokens: int) -> Timeline:
-    request = generation_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
-                                             temperature=0.0, ignore_eos=True)
-    timeline = Timeline(request_id, time.perf_counter())
-    async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-        now = time.perf_counter()
-        timeline.arrivals.extend([now] * len(chunk.token_ids))
-        timeline.token_ids.extend(chunk.token_ids)
-    if len(timeline.token_ids) != max_tokens:
-        raise RuntimeError(f"{request_id}: {len(timeline.token_ids)} tokens, expected {max_tokens} (ignore_eos)")
-    return timeline
+async def stream_request(stub, request_id: str, prompt: list[int], max_tokens: int) -> StreamRecord:
+    request = generate_request(RequestSpec("bench", tuple(prompt), max_tokens, seed=0), request_id)
+    record = await generate(stub, request, REQUEST_TIMEOUT_S)
+    if not record.ok:
+        raise RuntimeError(f"{request_id}: request failed: {record.code}: {record.details}")
+    if record.tokens != max_tokens:
+        raise RuntimeError(f"{request_id}: {record.tokens} tokens, expected {max_tokens} (ignore_eos)")
+    return record
 
 
 async def run_stack(address: str, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
-    """Sequential timelines per prompt length, then the concurrent batch, with its wall time."""
+    """Sequential streams per prompt length, then the concurrent batch, with its wall time."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         sequential = {}
@@ -141,50 +128,37 @@ def log_events(path: Path, event: str) -> list[dict]:
     return found
 
 
-def router_timings(stack: ServiceStack, request_ids: set[str]) -> dict[str, dict]:
-    """Each request's "request finished" line; the router writes it just after the last chunk."""
-    deadline = time.monotonic() + LOG_WAIT_S
-    while True:
-        lines = {r["request_id"]: r for r in log_events(stack.log_path("router"), "request finished")}
-        missing = request_ids - lines.keys()
-        if not missing:
-            return lines
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no 'request finished' log line for {sorted(missing)}:\n{stack.tail('router')}")
-        time.sleep(0.1)
-
-
-def stack_prompt_report(timelines: list[Timeline], router: dict[str, dict]) -> dict:
-    metrics = [t.metrics() for t in timelines]
+def stack_prompt_report(prompt_tokens: int, records: list[StreamRecord]) -> dict:
+    metrics = [client_metrics(r) for r in records]
     client = {key: summary([m[key] for m in metrics]) for key in metrics[0]}
-    logged = [router[t.request_id] for t in timelines]
     return {
-        "prompt_tokens": logged[0]["prompt_tokens"],
-        "output_tokens": len(timelines[0].token_ids),
-        "repetitions": len(timelines),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": records[0].tokens,
+        "repetitions": len(records),
         "ttft_s": client["ttft_s"],
         "decode_tokens_per_s": client["decode_tokens_per_s"],
         "e2e_s": client["e2e_s"],
         "kv_handoff": {
-            # The router log's kv_pull_s: the decode copying the prompt's pages out of the prefill's pool.
-            "decode_kv_page_copy_s": summary([r["kv_pull_s"] for r in logged]),
+            # The server's: from the prefill's KV being complete to the pages in the decode's pool
+            # (the router's hop and the decode's page copy).
+            "kv_handoff_s": summary([r.timings["kv_handoff_s"] for r in records]),
             "prefill_done_to_first_decode_token_s": client["prefill_done_to_first_decode_token_s"],
             "steady_decode_step_s": client["steady_decode_step_s"],
         },
-        "router_log_s": {key: summary([r[key] for r in logged]) for key in ROUTER_TIMINGS},
+        "server_stages_s": {name: summary([r.timings[name] for r in records]) for name in STAGE_FIELDS},
     }
 
 
-def concurrent_report(timelines: list[Timeline], wall_s: float) -> dict:
-    metrics = [t.metrics() for t in timelines]
+def concurrent_report(records: list[StreamRecord], wall_s: float) -> dict:
+    metrics = [client_metrics(r) for r in records]
     ttfts = [m["ttft_s"] for m in metrics]
     return {
-        "requests": len(timelines),
+        "requests": len(records),
         "prompt_tokens": CONCURRENT_PROMPT_LENGTH,
-        "output_tokens_each": len(timelines[0].token_ids),
+        "output_tokens_each": records[0].tokens,
         "wall_s": round(wall_s, 6),
-        "aggregate_output_tokens_per_s": round(sum(len(t.token_ids) for t in timelines) / wall_s, 3),
-        "ttft_s": {"p50": round(statistics.median(ttfts), 6), "max": round(max(ttfts), 6)},
+        "aggregate_output_tokens_per_s": round(sum(r.tokens for r in records) / wall_s, 3),
+        "ttft_s": {"p50": round(quantile(ttfts, 0.5), 6), "max": round(max(ttfts), 6)},
         "decode_tokens_per_s_per_request": summary([m["decode_tokens_per_s"] for m in metrics]),
     }
 
@@ -202,7 +176,7 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def transformers_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     # An explicit mask: the model's pad id equals a token of chat prompts, so guessing one is wrong.
     return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -210,9 +184,10 @@ def generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def transformers_prompt_report(model, prompt: list[int], max_tokens: int, repeats: int) -> tuple[dict, list[int]]:
     ids = torch.tensor([prompt])
-    generate(model, ids, 2)  # warm-up
+    transformers_generate(model, ids, 2)  # warm-up
     # Each repetition times one token, then all: a noisy moment spoils one pair, not the rate.
-    pairs = [(timed(lambda: generate(model, ids, 1)), timed(lambda: generate(model, ids, max_tokens)))
+    pairs = [(timed(lambda: transformers_generate(model, ids, 1)),
+              timed(lambda: transformers_generate(model, ids, max_tokens)))
              for _ in range(repeats)]
     first, full = [p[0] for p in pairs], [p[1] for p in pairs]
     # With two threads and anything else on the machine, one token can outlast all of them.
@@ -226,7 +201,7 @@ def transformers_prompt_report(model, prompt: list[int], max_tokens: int, repeat
         "decode_pairs_discarded_as_noise": len(pairs) - len(valid),
         "e2e_s": summary(full),
     }
-    return report, generate(model, ids, max_tokens)[0, len(prompt):].tolist()
+    return report, transformers_generate(model, ids, max_tokens)[0, len(prompt):].tolist()
 
 
 # ---- the physical floor ----
@@ -285,18 +260,17 @@ def machine_info() -> dict:
 
 
 def bench_stack(stack: ServiceStack, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
-    """The stack's part of the report, and its timelines (their tokens are checked against transformers)."""
+    """The stack's part of the report, and its streams (their tokens are checked against transformers)."""
     try:
         sequential, concurrent, wall_s = asyncio.run(run_stack(stack.address, prompts, max_tokens, repeats))
-    except grpc.RpcError as exc:
-        raise RuntimeError(f"request failed: {exc.code().name}: {exc.details()}\n{stack.tail('router')}") from None
-    router = router_timings(stack, {t.request_id for ts in sequential.values() for t in ts})
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n{stack.tail('router')}") from None
     prefill_cores, decode_cores = worker_cores(stack, "prefill"), worker_cores(stack, "decode")
     part = {
         "stack_threads": {"prefill_cores": prefill_cores, "prefill_torch_threads": len(prefill_cores),
                           "decode_cores": decode_cores, "decode_torch_threads": len(decode_cores),
                           "router": "unpinned"},
-        "stack": {f"prompt_{n}": stack_prompt_report(ts, router) for n, ts in sequential.items()},
+        "stack": {f"prompt_{n}": stack_prompt_report(n, records) for n, records in sequential.items()},
         "stack_concurrent": concurrent_report(concurrent, wall_s),
     }
     return part, sequential

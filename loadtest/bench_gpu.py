@@ -26,6 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from loadtest.percentiles import quantile
 from loadtest.report import emit
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
@@ -52,10 +53,6 @@ def cuda_time_ms(fn, iterations: int, warmup: int = 3) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)
-
-
-def median(values: list[float]) -> float:
-    return values[len(values) // 2]
 
 
 def copy_bandwidth_gbs() -> float:
@@ -95,7 +92,7 @@ def transformers_baseline(path: str, context: int) -> dict:
     def generate(n: int):
         return lambda: hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    one, many = median(cuda_time_ms(generate(1), 3, 1)), median(cuda_time_ms(generate(33), 3, 1))
+    one, many = quantile(cuda_time_ms(generate(1), 3, 1), 0.5), quantile(cuda_time_ms(generate(33), 3, 1), 0.5)
     return {"context": context, "ms_per_token": (many - one) / 32, "prefill_ms": one}
 
 
@@ -127,12 +124,11 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
             queued = cuda_time_ms(lambda: [graphs.step(inputs) for _ in range(_QUEUED_STEPS)], 10)
             eager = cuda_time_ms(lambda: model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool), 5)
             floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
-            results.append({"batch": batch, "context": context, "graph_ms_p50": median(graphed),
-                            "graph_ms_min": graphed[0], "eager_ms_p50": median(eager), "floor_ms": floor_ms,
-                            "ratio_to_floor": median(graphed) / floor_ms,
-                            "tokens_per_s": batch / (median(graphed) / 1e3),
-                            "queued_ms_per_step": median(queued) / _QUEUED_STEPS,
-                            "queued_ratio_to_floor": median(queued) / _QUEUED_STEPS / floor_ms,
+            graph_ms, queued_ms = quantile(graphed, 0.5), quantile(queued, 0.5) / _QUEUED_STEPS
+            results.append({"batch": batch, "context": context, "graph_ms_p50": graph_ms,
+                            "graph_ms_min": graphed[0], "eager_ms_p50": quantile(eager, 0.5), "floor_ms": floor_ms,
+                            "ratio_to_floor": graph_ms / floor_ms, "tokens_per_s": batch / (graph_ms / 1e3),
+                            "queued_ms_per_step": queued_ms, "queued_ratio_to_floor": queued_ms / floor_ms,
                             "all_matmuls_on_gemv": batch in model.linears.gemv_rows,
                             "capture_timings": graphs.matmul_timings.get(batch)})
             for r in requests:
@@ -178,8 +174,9 @@ def bench_prefill(model: PagedLlama, lengths: list[int], tflops: float, chunk: i
         ids = torch.randint(0, model.vocab_size, (length,)).tolist()
         pages = list(range(pages_for(length, page_size)))
         times = cuda_time_ms(lambda: model.prefill(ids, pool, pages, chunk), 3, 1)
-        achieved = prefill_flops(model, length) / (median(times) / 1e3) / 1e12
-        results.append({"tokens": length, "ms_p50": median(times), "tflops": achieved,
+        prompt_ms = quantile(times, 0.5)
+        achieved = prefill_flops(model, length) / (prompt_ms / 1e3) / 1e12
+        results.append({"tokens": length, "ms_p50": prompt_ms, "tflops": achieved,
                         "fraction_of_matmul_rate": achieved / tflops, "chunk_tokens": chunk})
     return results
 
@@ -198,7 +195,7 @@ def bench_handoff(model: PagedLlama, lengths: list[int], bandwidth_gbs: float) -
         dst_ids = torch.randperm(pages, device="cuda")[:count]
         times = cuda_time_ms(lambda: dst.copy_pages_from(src, src_ids, dst_ids), 20)
         nbytes = 2 * model.num_layers * count * page_size * model.num_kv_heads * model.head_dim * 2
-        results.append({"tokens": length, "kv_mib": nbytes / (1 << 20), "copy_ms_p50": median(times),
+        results.append({"tokens": length, "kv_mib": nbytes / (1 << 20), "copy_ms_p50": quantile(times, 0.5),
                         "floor_ms": 2 * nbytes / (bandwidth_gbs * 1e9) * 1e3})
     return results
 

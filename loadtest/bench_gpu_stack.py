@@ -5,12 +5,12 @@
 In one run:
 - throughput: 64 concurrent requests (1,024-token prompts, 128 output tokens, EOS ignored)
   through gRPC, output tokens per second of wall time;
-- handoff: per prompt length, from the router's log, the time from the prefill's KV being
-  complete to the start (on the host) of the decode's first step for that request (handoff_s:
-  router hop, decode queue; the page copy runs ahead of that step on the device's stream) and
-  the copy from its launch to its landing (kv_pull_s); and on the client, the gap between the
-  first token (sampled by the prefill) and the second (the decode's first step), which includes
-  all of it;
+- handoff: per prompt length, from the last chunk's StageTimings, the time from the prefill's
+  KV being complete to the pages in the decode's pool (kv_handoff_s: router hop, page copy) and
+  on to the start (on the host) of the decode's first step for that request (handoff_s: plus
+  the decode's queue; on the device the step waits for the copy on its stream); and on the
+  client, the gap between the first token (sampled by the prefill) and the second (the decode's
+  first step), which includes all of it;
 - memory: each process's GPU memory (nvidia-smi) with the decode mapping the prefill's weights
   and with a copy of its own;
 - with --colocated, throughput and handoff also for the colocated mode (services/colocated);
@@ -31,9 +31,12 @@ import time
 from pathlib import Path
 
 import grpc
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc
 
+from loadtest.generate_client import StreamRecord, generate, generate_request
+from loadtest.percentiles import quantile
 from loadtest.report import emit
+from loadtest.workload import RequestSpec
 from tests.stack import SERVICES, ServiceStack
 
 CACHE_DIR = "~/.cache/pdserve"
@@ -46,15 +49,11 @@ def gpu_memory_mib(pids: dict[str, int]) -> dict[str, int]:
     return {name: used.get(pid, 0) for name, pid in pids.items()}
 
 
-async def one_request(stub, prompt: list[int], max_tokens: int, request_id: str = "") -> list[float]:
-    """Arrival time of every token, relative to the call."""
-    started = time.perf_counter()
-    request = generation_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
-                                             ignore_eos=True, temperature=0)
-    times = []
-    async for chunk in stub.Generate(request, timeout=600):
-        times.extend([time.perf_counter() - started] * len(chunk.token_ids))
-    return times
+async def one_request(stub, prompt: list[int], max_tokens: int) -> StreamRecord:
+    record = await generate(stub, generate_request(RequestSpec("bench", tuple(prompt), max_tokens, seed=0)), 600)
+    if not record.ok:
+        raise RuntimeError(f"request failed: {record.code}: {record.details}")
+    return record
 
 
 async def throughput(address: str, vocab: int, requests: int, prompt_len: int, max_tokens: int) -> dict:
@@ -66,48 +65,35 @@ async def throughput(address: str, vocab: int, requests: int, prompt_len: int, m
         started = time.perf_counter()
         results = await asyncio.gather(*(one_request(stub, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - started
-    tokens = sum(map(len, results))
-    ttfts = sorted(r[0] for r in results)
+    tokens = sum(r.tokens for r in results)
+    ttfts = [r.ttft_s for r in results]
     return {"requests": requests, "prompt_tokens": prompt_len, "output_tokens": tokens, "wall_s": wall,
-            "output_tokens_per_s": tokens / wall, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
+            "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttfts, 0.5), "ttft_max_s": max(ttfts)}
 
 
-async def handoffs(address: str, vocab: int, lengths: list[int], repeats: int = 5) -> dict[int, list[dict]]:
-    """Per prompt length, each request's id, time to first token and first-to-second token gap."""
+async def handoffs(address: str, vocab: int, lengths: list[int], repeats: int = 5) -> dict[int, list[StreamRecord]]:
+    """Per prompt length, `repeats` requests of three tokens: the second is the decode's first."""
     rng = random.Random(1)
-    out: dict[int, list[dict]] = {}
+    out: dict[int, list[StreamRecord]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         for length in lengths:
-            for i in range(repeats):
-                request_id = f"handoff-{length}-{i}"
-                times = await one_request(stub, [rng.randrange(vocab) for _ in range(length)], 3, request_id)
-                out.setdefault(length, []).append({"request_id": request_id, "ttft_s": times[0],
-                                                   "first_to_second_s": times[1] - times[0]})
+            for _ in range(repeats):
+                record = await one_request(stub, [rng.randrange(vocab) for _ in range(length)], 3)
+                out.setdefault(length, []).append(record)
     return out
 
 
-def router_timings(log: Path) -> dict[str, dict]:
-    """The router's "request finished" line of every request, by request id."""
-    records = (json.loads(line) for line in log.read_text().splitlines() if '"request finished"' in line)
-    return {r["request_id"]: r for r in records}
-
-
-def handoff_report(runs: dict[int, list[dict]], timings: dict[str, dict]) -> list[dict]:
+def handoff_report(runs: dict[int, list[StreamRecord]]) -> list[dict]:
     def p50_ms(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2] * 1e3
+        return quantile(values, 0.5) * 1e3
 
-    report = []
-    for length, samples in runs.items():
-        logged = [timings[s["request_id"]] for s in samples if s["request_id"] in timings]
-        report.append({
-            "prompt_tokens": length,
-            "handoff_ms_p50": p50_ms([r["handoff_s"] for r in logged if "handoff_s" in r]),
-            "kv_pull_ms_p50": p50_ms([r["kv_pull_s"] for r in logged if "kv_pull_s" in r]),
-            "first_to_second_token_ms_p50": p50_ms([s["first_to_second_s"] for s in samples]),
-            "ttft_ms_p50": p50_ms([s["ttft_s"] for s in samples]),
-        })
-    return report
+    return [{"prompt_tokens": length,
+             "handoff_ms_p50": p50_ms([r.timings["kv_handoff_s"] + r.timings["decode_queue_s"] for r in records]),
+             "kv_handoff_ms_p50": p50_ms([r.timings["kv_handoff_s"] for r in records]),
+             "first_to_second_token_ms_p50": p50_ms([r.itls_s[0] for r in records]),
+             "ttft_ms_p50": p50_ms([r.ttft_s for r in records])}
+            for length, records in runs.items()]
 
 
 def gpu_stack_settings(model: str, services: tuple[str, ...], shared_weights: bool = True) -> dict[str, str]:
@@ -138,8 +124,7 @@ def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool =
             runs = asyncio.run(handoffs(stack.address, vocab, [1024, 4096, 8192, 16384, 32768], repeats))
             result["throughput"] = asyncio.run(throughput(stack.address, vocab, 64, 1024, 128))
             result["gpu_memory_mib_after_load"] = gpu_memory_mib(pids)
-            time.sleep(1.0)  # the router logs a request's line when its stream closes
-            result["handoff"] = handoff_report(runs, router_timings(stack.log_path("router")))
+            result["handoff"] = handoff_report(runs)
     return result
 
 

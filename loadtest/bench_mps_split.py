@@ -43,8 +43,9 @@ from pathlib import Path
 
 import torch
 
+from loadtest.bench_gpu import cuda_time_ms, prefill_flops
+from loadtest.percentiles import quantile
 from loadtest.report import emit
-from loadtest.bench_gpu import cuda_time_ms, median, prefill_flops
 from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
@@ -109,10 +110,6 @@ def child_env(base: dict[str, str], arrangement: Arrangement, role: str, mps_env
 
 # ---- the children ---------------------------------------------------------------------------------
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def build_model(path: str, seed: int) -> PagedLlama:
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: this benchmark needs a GPU (and the MPS daemon)")
@@ -159,7 +156,7 @@ def decode_child(args, send) -> None:
     times.sort()
     send({"event": "result", "role": "decode", "steps": len(times), "window_s": elapsed,
           "tokens_per_s": args.decode_batch * len(times) / elapsed,
-          "step_ms": {"p50": median(times), "p90": percentile(times, 0.9), "p99": percentile(times, 0.99),
+          "step_ms": {"p50": quantile(times, 0.5), "p90": quantile(times, 0.9), "p99": quantile(times, 0.99),
                       "mean": sum(times) / len(times), "max": times[-1]}})
 
 
@@ -196,7 +193,7 @@ def prefill_child(args, send) -> None:
     send({"event": "result", "role": "prefill", "prompts": len(times), "window_s": elapsed,
           "prompts_per_s": len(times) / elapsed,
           "tflops": len(times) * prefill_flops(model, args.prompt_tokens) / elapsed / 1e12,
-          "prompt_ms": {"p50": median(times), "max": times[-1]}})
+          "prompt_ms": {"p50": quantile(times, 0.5), "max": times[-1]}})
 
 
 def ready_message(role: str, cores: list[int]) -> dict:

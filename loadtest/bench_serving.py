@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from loadtest import serving_metrics as metrics
 from loadtest.bench_gpu_stack import gpu_stack_settings
+from loadtest.generate_client import StreamRecord
 from loadtest.serving_client import replay
 from loadtest.serving_modes import MODES, Mode, MpsSplit, serving
 from loadtest.serving_workloads import Workload, mode_workloads, warm_up_schedule
@@ -207,7 +209,7 @@ def settings_record(args) -> dict:
 def run(args) -> dict:
     report = {"benchmark": "serving", "settings": settings_record(args),
               "slo": {"ttft_s": args.slo.ttft_s, "tpot_s": args.slo.tpot_s, "attainment": args.slo.attainment},
-              "definitions": metrics.__doc__.split("\n\n", 1)[1].strip(), "modes": {}}
+              "definitions": inspect.cleandoc(StreamRecord.__doc__), "modes": {}}
     clock = Clock(args.time_limit_s)
 
     def save() -> None:

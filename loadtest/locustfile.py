@@ -4,9 +4,9 @@
         -u 4 -r 4 --run-time 60s --traffic closed|trace|curve [options below]
 
 Every request fires three locust request events, named by workload class (long, short, trace):
-TTFT (first chunk), TPOT ((end - first chunk) / (tokens - 1), only with more than one token) and
-E2E. A failed call fires E2E only, its error the gRPC status code, so the failure table groups by
-code. Traffic modes:
+TTFT, TPOT (only with more than one token) and E2E, as loadtest/generate_client.py defines them.
+A failed call fires E2E only, its error the gRPC status code, so the failure table groups by
+code. Requests are greedy unless --temperature says otherwise. Traffic modes:
 - closed: -u users, each sends the long/short mix back to back;
 - trace: one dispatcher replays the Mooncake trace open loop (scaled, see loadtest/workload.py);
 - curve: one dispatcher sends the mix open loop at the rate of a t_seconds,requests_per_second
@@ -30,9 +30,10 @@ from gevent.pool import Group
 from locust import LoadTestShape, User, constant, events, task
 from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc
 
 from loadtest import traffic, workload
+from loadtest.generate_client import GREEDY, StreamRecord, generate_request, read_stream
 
 grpc_gevent.init_gevent()  # after locust's monkey patching, before any channel exists
 
@@ -59,6 +60,8 @@ def _add_arguments(parser):
     group.add_argument("--max-tokens", type=int, default=128, help="output tokens of a mix request")
     group.add_argument("--ignore-eos", type=_bool, default=True, help="generate exactly max_tokens (true/false)")
     group.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
+    group.add_argument("--temperature", type=float, default=GREEDY,
+                       help="0 (default): greedy, as every load tool; above 0 samples")
     group.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one call (s)")
     group.add_argument("--drain-seconds", type=float, default=120.0,
                        help="at stop, wait this long for requests in flight before cancelling them")
@@ -112,29 +115,22 @@ def _stub(host: str) -> generation_pb2_grpc.GenerationStub:
 def generate(stub, spec: workload.RequestSpec, options) -> None:
     """One Generate stream, reported as TTFT, TPOT and E2E events under spec.name."""
     IN_FLIGHT.started += 1
-    request = generation_pb2.GenerateRequest(prompt_token_ids=spec.prompt_token_ids, max_tokens=spec.max_tokens,
-                                             seed=spec.seed, ignore_eos=options.ignore_eos)
-    started = time.perf_counter()
-    first_chunk = None
-    tokens = 0
+    request = generate_request(spec, ignore_eos=options.ignore_eos, temperature=options.temperature)
+    record = StreamRecord(started_s=time.perf_counter())
     call = stub.Generate(request, timeout=options.request_timeout)
     IN_FLIGHT.calls.add(call)
     try:
-        for response in call:
-            if first_chunk is None and response.token_ids:
-                first_chunk = time.perf_counter()
-                _fire("TTFT", spec.name, first_chunk - started, len(spec.prompt_token_ids))
-            tokens += len(response.token_ids)
-    except grpc.RpcError as error:
-        logger.debug("loadtest: %s request failed: %s %s", spec.name, error.code().name, error.details())
-        _fire_e2e(spec.name, time.perf_counter() - started, tokens, GrpcStatusError(error.code().name))
-        return
+        read_stream(call, record)
     finally:
         IN_FLIGHT.calls.discard(call)
-    ended = time.perf_counter()
-    if first_chunk is not None and tokens > 1:
-        _fire("TPOT", spec.name, (ended - first_chunk) / (tokens - 1), tokens)
-    _fire_e2e(spec.name, ended - started, tokens)
+    if not record.ok:
+        logger.debug("loadtest: %s request failed: %s %s", spec.name, record.code, record.details)
+        _fire_e2e(spec.name, record.ended_s - record.started_s, record.tokens, GrpcStatusError(record.code))
+        return
+    _fire("TTFT", spec.name, record.ttft_s, len(spec.prompt_token_ids))
+    if record.tpot_s is not None:
+        _fire("TPOT", spec.name, record.tpot_s, record.tokens)
+    _fire_e2e(spec.name, record.e2e_s, record.tokens)
 
 
 def _fire_e2e(name: str, seconds: float, tokens: int, exception: Exception | None = None) -> None:

@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtest.serving_metrics import quantile  # noqa: E402
+from loadtest.percentiles import quantile  # noqa: E402
 
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"))
 

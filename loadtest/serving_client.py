@@ -11,31 +11,36 @@ import asyncio
 import time
 
 import grpc
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc
 
+from loadtest.generate_client import generate, generate_request
 from loadtest.serving_metrics import CallRecord
 from loadtest.workload import Arrival
-
-STAGE_FIELDS = tuple(f.name for f in generation_pb2.StageTimings.DESCRIPTOR.fields)
 
 
 async def replay(address: str, schedule: list[Arrival], *, label: str, timeout_s: float, drain_timeout_s: float,
                  channels: int = 1, ignore_eos: bool = True) -> list[CallRecord]:
     """Records are in schedule order (record i is schedule[i]), whatever order the arrivals come in."""
-    records = [CallRecord(i, a.spec.name, len(a.spec.prompt_token_ids), a.at_s) for i, a in enumerate(schedule)]
+    records = [CallRecord(index=i, name=a.spec.name, prompt_tokens=len(a.spec.prompt_token_ids), scheduled_s=a.at_s)
+               for i, a in enumerate(schedule)]
     # A channel of its own subchannel pool gets its own connection; gRPC shares them otherwise.
     opened = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
               for _ in range(channels)]
     stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in opened]
     try:
         zero = time.perf_counter()
+
+        def clock() -> float:  # the run's clock, the one the schedule is in
+            return time.perf_counter() - zero
+
         tasks = []
         for number, index in enumerate(sorted(range(len(schedule)), key=lambda i: schedule[i].at_s)):
-            delay = zero + schedule[index].at_s - time.perf_counter()
+            delay = schedule[index].at_s - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            request = generate_request(schedule[index], f"{label}-{index}", ignore_eos)
-            tasks.append(asyncio.create_task(call(stubs[number % channels], request, records[index], zero, timeout_s)))
+            request = generate_request(schedule[index].spec, f"{label}-{index}", ignore_eos=ignore_eos)
+            tasks.append(asyncio.create_task(generate(stubs[number % channels], request, timeout_s, records[index],
+                                                      clock)))
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
             for task in pending:
@@ -47,26 +52,3 @@ async def replay(address: str, schedule: list[Arrival], *, label: str, timeout_s
         for channel in opened:
             await channel.close()
     return records
-
-
-def generate_request(arrival: Arrival, request_id: str, ignore_eos: bool) -> generation_pb2.GenerateRequest:
-    spec = arrival.spec
-    return generation_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=spec.prompt_token_ids,
-                                          max_tokens=spec.max_tokens, seed=spec.seed, temperature=0.0,
-                                          ignore_eos=ignore_eos)
-
-
-async def call(stub, request, record: CallRecord, zero: float, timeout_s: float) -> None:
-    """Fills record as the stream goes; a cancelled call leaves code None (lost)."""
-    record.started_s = time.perf_counter() - zero
-    try:
-        async for chunk in stub.Generate(request, timeout=timeout_s):
-            if chunk.token_ids:
-                record.chunk_times_s.append(time.perf_counter() - zero)
-                record.tokens += len(chunk.token_ids)
-            if chunk.HasField("timings"):
-                record.timings = {name: getattr(chunk.timings, name) for name in STAGE_FIELDS}
-    except grpc.aio.AioRpcError as error:
-        record.ended_s, record.code = time.perf_counter() - zero, error.code().name
-        return
-    record.ended_s, record.code = time.perf_counter() - zero, "OK"

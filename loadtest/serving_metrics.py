@@ -1,21 +1,18 @@
 """What the serving benchmark reports about a run: latency percentiles, SLO attainment, goodput,
 the stage breakdown, and the effect of a burst. Pure functions over CallRecords.
 
-The definitions are the locust client's (loadtest/locustfile.py), all on one client clock:
-- TTFT: the call's start to the first chunk carrying a token;
-- TPOT: (end of the stream - first token) / (tokens - 1), for calls with more than one token. It
-  starts at the first token, which the prefill samples, so the KV handoff and the decode's queue
-  before its first step are inside it: decode-side numbers never hide them;
-- ITL: the gaps between consecutive chunks carrying tokens, one gap per chunk whatever its token
-  count (a k-token chunk adds no zero gaps that would flatter the percentiles);
-- E2E: the call's start to the end of the stream.
+TTFT, TPOT, ITL and E2E are every load tool's, on one client clock: StreamRecord's, in
+loadtest/generate_client.py, which says how each is measured.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from loadtest.generate_client import StreamRecord
+from loadtest.percentiles import quantile
 
 # StageTimings of the last chunk, by the proto's field names. The first token is the prefill's,
 # so these make up the TTFT...
@@ -25,42 +22,14 @@ SECOND_TOKEN_STAGES = ("kv_handoff_s", "decode_queue_s", "first_decode_step_s")
 SERVER_TTFT = "first_token_s"
 
 
-@dataclass
-class CallRecord:
-    """One Generate call as the client saw it; times in seconds on the run's clock (0: its start)."""
+@dataclass(kw_only=True)
+class CallRecord(StreamRecord):
+    """One call of a schedule; its times on the run's clock (0: its start)."""
 
     index: int                  # position in the schedule: the same request in two runs of it
     name: str                   # workload class (fixed, long, short, trace, burst)
     prompt_tokens: int
     scheduled_s: float
-    started_s: float | None = None
-    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk carrying tokens
-    tokens: int = 0
-    ended_s: float | None = None
-    code: str | None = None     # "OK" or the gRPC status name; None: never answered (lost)
-    timings: dict[str, float] | None = None  # the server's StageTimings, when it sends them
-
-    @property
-    def ok(self) -> bool:
-        return self.code == "OK"
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.chunk_times_s[0] - self.started_s if self.ok and self.chunk_times_s else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.tokens < 2:
-            return None
-        return (self.ended_s - self.chunk_times_s[0]) / (self.tokens - 1)
-
-    @property
-    def e2e_s(self) -> float | None:
-        return self.ended_s - self.started_s if self.ok else None
-
-    @property
-    def itls_s(self) -> list[float]:
-        return [later - earlier for earlier, later in zip(self.chunk_times_s, self.chunk_times_s[1:])]
 
 
 @dataclass(frozen=True)
@@ -71,15 +40,6 @@ class Slo:
 
 
 # ---- distributions ------------------------------------------------------------------------------
-
-def quantile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), q in [0, 1]."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
 
 def distribution(values: list[float]) -> dict | None:
     if not values:
@@ -149,7 +109,7 @@ def stage_breakdown(records: list[CallRecord]) -> dict | None:
 
 
 def mean_and_median(values: list[float]) -> dict | None:
-    return {"mean": statistics.fmean(values), "p50": statistics.median(values)} if values else None
+    return {"mean": statistics.fmean(values), "p50": quantile(values, 0.5)} if values else None
 
 
 # ---- the burst --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from loadtest import serving_metrics as metrics
 from loadtest import workload
 from loadtest.bench_serving import parse_args
+from loadtest.percentiles import quantile
 from loadtest.serving_client import replay
 from loadtest.serving_modes import MODES, MpsSplit
 from loadtest.serving_workloads import mode_workloads
@@ -25,7 +26,9 @@ SLO = metrics.Slo(ttft_s=1.0, tpot_s=0.1)
 
 def call(index: int = 0, started: float = 1.0, chunks=(1.5, 1.6, 1.8), tokens: int = 4, ended: float = 1.9,
          code: str | None = "OK", timings: dict | None = None) -> metrics.CallRecord:
-    return metrics.CallRecord(index, "fixed", 16, started, started, list(chunks), tokens, ended, code, timings)
+    return metrics.CallRecord(index=index, name="fixed", prompt_tokens=16, scheduled_s=started, started_s=started,
+                              chunk_times_s=list(chunks), token_ids=list(range(tokens)), ended_s=ended, code=code,
+                              timings=timings)
 
 
 # ---- the metrics ----------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ def test_burst_effect_compares_the_requests_decoding_at_the_burst_with_themselve
 
 
 def quantile_ratio(with_values, without_values, q=0.99) -> float:
-    return metrics.quantile(with_values, q) / metrics.quantile(without_values, q)
+    return quantile(with_values, q) / quantile(without_values, q)
 
 
 # ---- the workloads ----------------------------------------------------------------------------------
