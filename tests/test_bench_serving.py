@@ -199,8 +199,9 @@ def test_open_loop_starts_on_time_and_counts_errors_and_lost_requests():
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_every_mode_end_to_end_with_stage_timings_and_plots(checkpoint, tmp_path):
-    # The colocated mode is left out where its service is not in the checkout (it is written apart).
-    modes = [m for m in ("disaggregated", "colocated", "transformers") if not MODES[m].missing_modules()]
+    modes = ["disaggregated", "colocated", "transformers"]
+    missing = {mode: MODES[mode].missing_modules() for mode in modes}
+    assert not any(missing.values()), f"serving modes whose service is not in this checkout: {missing}"
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": ms, "input_length": 24, "output_length": 12, "hash_ids": [1]})
                              + "\n" for ms in (0, 300, 600, 900)))

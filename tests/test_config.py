@@ -1,6 +1,7 @@
 """shared/config.py: defaults, the four layers in order of precedence, and errors that say where."""
 
 import argparse
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -152,12 +153,17 @@ def test_reversed_core_range_is_refused():
         parse_cores("3-1")
 
 
-def test_example_file_loads():
+def test_example_file_loads_with_the_values_it_states():
     example = REPO / "deploy" / "pdserve.toml"
-    if not example.exists():
-        pytest.skip("deploy/pdserve.toml is not written yet")
     config = load_config(parse("--config", str(example)), environ={})
     config.validate()
+    stated = {(section, key): value for section, table in tomllib.loads(example.read_text()).items()
+              for key, value in table.items()}
+    assert {setting: getattr(getattr(config, setting[0]), setting[1]) for setting in stated} == stated
+    # `make run` starts all three services from this file on one host: each needs its own ports.
+    ports = [config.router.grpc_address, config.router.metrics_address, config.prefill.metrics_address,
+             config.decode.metrics_address]
+    assert len(set(ports)) == len(ports), ports
 
 
 def test_colocated_refuses_mapping_weights_it_already_shares():

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.v1 import generation_pb2
 
+from shared.config import load_config
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
 
@@ -117,11 +118,21 @@ def test_greedy_matches_transformers_concurrently(stack, tokenizer, references):
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_chunks_never_split_a_character(stack):
-    request = _request("messages", [{"role": "user", "content": "Écris trois mots japonais: 日本, 東京, 富士山."}],
-                       ignore_eos=True)
-    for chunk in stack.stub.Generate(request, timeout=120):
-        assert "\ufffd" not in chunk.text
+# Greedy, the model goes on with the pattern, and each 🦀 it writes comes as three tokens.
+MULTI_BYTE_PROMPT, MULTI_BYTE_CHARACTER = "I love 🦀 and 🦀 and 🦀 and", "🦀"
+
+
+def test_chunks_never_split_a_character(stack, tokenizer):
+    chunks = list(stack.stub.Generate(_request("prompt", MULTI_BYTE_PROMPT, max_tokens=12, ignore_eos=True),
+                                      timeout=120))
+    ids = [t for chunk in chunks for t in chunk.token_ids]
+    text = "".join(chunk.text for chunk in chunks)
+    assert not any("\ufffd" in chunk.text for chunk in chunks), [chunk.text for chunk in chunks]
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert MULTI_BYTE_CHARACTER in text, f"the model wrote no {MULTI_BYTE_CHARACTER}: {text!r}"
+    # The character did come in pieces: a token that alone is part of it, and a chunk that held it back.
+    assert any("\ufffd" in tokenizer.decode([token]) for token in ids)
+    assert any(chunk.token_ids and not chunk.text for chunk in chunks)
 
 
 def test_seed_reproduces_sampled_output(stack):
@@ -191,8 +202,17 @@ def test_cancelled_request_frees_its_pages(stack):
 
 
 def test_workers_report_their_pools(stack):
-    roles = {w.role for w in stack.workers()}
-    assert roles == {"prefill", "decode"}
+    config = load_config(None, environ=stack.env)
+    stack.assert_pools_drained()  # an earlier test's cancelled request may still be in a heartbeat
+    workers = {w.role: w for w in stack.workers()}
+    assert set(workers) == {"prefill", "decode"}
+    prefill, decode = workers["prefill"], workers["decode"]
+    assert (prefill.worker_id, decode.worker_id) == (config.prefill.worker_id, config.decode.worker_id)
+    assert (prefill.total_pages, decode.total_pages) == (config.kv.prefill_pages, config.kv.decode_pages)
+    for worker in workers.values():
+        assert worker.free_pages == worker.total_pages and worker.reserved_pages == 0, worker
+        assert worker.running_requests == 0 and worker.waiting_requests == 0, worker
+        assert 0 <= worker.seconds_since_heartbeat < config.router.heartbeat_timeout_s, worker
 
 
 def test_oversized_request_is_refused_and_service_keeps_serving(stack):
