@@ -20,6 +20,7 @@ import structlog
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.registry import Collector
 
+from shared.gpu_telemetry import watch_gpu
 from shared.messages import ErrorCode, FinishReason, Heartbeat, Role
 
 log = structlog.get_logger()
@@ -95,8 +96,9 @@ def _never_raises(update):
     return guarded
 
 
-def serve(address: str, collectors: tuple[Collector, ...]) -> WSGIServer | None:
-    """Serves the collectors, with the process's CPU and memory, over HTTP at "host:port".
+def serve(address: str, collectors: tuple[Collector, ...], device: str = "cpu") -> WSGIServer | None:
+    """Serves the collectors, with the process's CPU and memory, over HTTP at "host:port"; a
+    worker's device ("cuda:0") adds its GPU's state (shared/gpu_telemetry.py), the CPU nothing.
 
     "" serves nothing. A port already taken is logged, not fatal: the service matters more
     than its metrics. Returns the HTTP server, or None.
@@ -107,6 +109,7 @@ def serve(address: str, collectors: tuple[Collector, ...]) -> WSGIServer | None:
         if collector not in _served:
             REGISTRY.register(collector)
             _served.add(collector)
+    watch_gpu(device, REGISTRY)
     host, _, port = address.rpartition(":")
     try:
         server, _thread = start_http_server(int(port), addr=host.strip("[]"))

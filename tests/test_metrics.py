@@ -174,3 +174,4 @@ def test_workers_serve_their_own_pages(stack, role):
     assert value(samples, "kv_pages_free", **labels) == worker.total_pages
     assert value(samples, "num_requests_running") == 0 and value(samples, "num_requests_waiting") == 0
     assert value(samples, "time_to_first_token_seconds_count") is None, "request metrics are the router's"
+    assert not [name for name, _ in samples if name.startswith("pdserve:gpu_")], "a CPU worker has no GPU telemetry"
