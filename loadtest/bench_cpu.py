@@ -33,8 +33,8 @@ from loadtest.generate_client import STAGE_FIELDS, StreamRecord, generate, gener
 from loadtest.percentiles import quantile
 from loadtest.report import emit
 from loadtest.workload import RequestSpec
+from services.stack.local import LocalStack
 from shared.model.loader import load_tokenizer, resolve_checkpoint
-from tests.stack import ServiceStack
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 PROMPT_LENGTHS = (16, 256, 1024)
@@ -163,7 +163,7 @@ def concurrent_report(records: list[StreamRecord], wall_s: float) -> dict:
     }
 
 
-def worker_cores(stack: ServiceStack, service: str) -> list[int]:
+def worker_cores(stack: LocalStack, service: str) -> list[int]:
     loaded = log_events(stack.log_path(service), "model ready")
     return loaded[-1]["cores"] if loaded else []
 
@@ -259,7 +259,7 @@ def machine_info() -> dict:
     }
 
 
-def bench_stack(stack: ServiceStack, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
+def bench_stack(stack: LocalStack, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
     """The stack's part of the report, and its streams (their tokens are checked against transformers)."""
     try:
         sequential, concurrent, wall_s = asyncio.run(run_stack(stack.address, prompts, max_tokens, repeats))
@@ -303,7 +303,7 @@ def run(quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as work:
         progress("starting the stack")
         # The model is pinned to the baseline's; other PDSERVE_* variables (pinning, pools) pass through.
-        with ServiceStack(Path(work), CACHE_DIR, PDSERVE_MODEL_PATH="embedded") as stack:
+        with LocalStack(Path(work), CACHE_DIR, PDSERVE_MODEL_PATH="embedded") as stack:
             part, sequential = bench_stack(stack, prompts, max_tokens, repeats)
             report["machine"]["stack_threads"] = part.pop("stack_threads")
             report.update(part)

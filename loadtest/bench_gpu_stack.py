@@ -37,7 +37,7 @@ from loadtest.generate_client import StreamRecord, generate, generate_request
 from loadtest.percentiles import quantile
 from loadtest.report import emit
 from loadtest.workload import RequestSpec
-from tests.stack import SERVICES, ServiceStack
+from services.stack.local import SERVICES, LocalStack
 
 CACHE_DIR = "~/.cache/pdserve"
 
@@ -112,8 +112,8 @@ def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool =
     """colocated: the router and services/colocated (one process, one copy of the weights)."""
     services = ("router", "colocated") if colocated else SERVICES
     settings = gpu_stack_settings(model, services, shared_weights)
-    with tempfile.TemporaryDirectory() as workdir, ServiceStack(Path(workdir), CACHE_DIR, services=services,
-                                                                start_timeout_s=600, **settings) as stack:
+    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), CACHE_DIR, services=services,
+                                                              start_timeout_s=600, **settings) as stack:
         pids = {name: p.pid for name, p in stack.processes.items()}
         result = {"services": list(services), "shared_weights": shared_weights or colocated,
                   "gpu_memory_mib": gpu_memory_mib(pids)}

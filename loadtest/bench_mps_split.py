@@ -49,6 +49,7 @@ from loadtest.report import emit
 from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
 from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
+from services.supervisor import Service, Supervisor
 from shared.device import on_stream, worker_stream
 from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
 from shared.messages import SamplingParams, StopParams
@@ -56,14 +57,13 @@ from shared.model import presets
 from shared.model.llama import PagedLlama
 from shared.process import die_with_parent, pin_to_cores
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda:0"
 PAGE_SIZE = 16
 DEFAULT_ARRANGEMENTS = "no-mps,mps-100-100,mps-100-50,mps-100-70,mps-70-50,mps-50-50,mps-60-60,mps-100-30"
 BASELINES = ("decode-alone", "prefill-alone")
 # NVLink multicast can take a shared host's GPUs out of service; nothing here needs it.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-CHILD_COMMAND = [sys.executable, "-m", "loadtest.bench_mps_split"]
+CHILD_MODULE = "loadtest.bench_mps_split"
 STARTED = time.monotonic()  # a child's setup time counts from here
 
 
@@ -237,11 +237,10 @@ class ArrangementFailed(RuntimeError):
 
 
 class Child:
-    def __init__(self, role: str, command: list[str], env: dict[str, str], log: Path, events: queue.Queue):
+    def __init__(self, role: str, args: list[str], env: dict[str, str], log: Path, events: queue.Queue,
+                 supervisor: Supervisor):
         self.role, self.log, self.events = role, log, events
-        with open(log, "w") as stderr:
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                         env=env, cwd=REPO, text=True, bufsize=1)
+        self.proc = supervisor.start(Service(role, CHILD_MODULE, ("--role", role, *args), env, log, pipes=True))
 
     def start_reader(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -268,20 +267,17 @@ class Child:
             code = "still running"
         return f"{self.role} child {what} (exit code {code})\n--- the end of its stderr:\n{tail(self.log)}"
 
-    def stop(self, grace_s: float) -> None:
+    def finish(self, grace_s: float) -> None:
         """A child exits by itself after its result (or at EOF while it waits for "go"); one that
-        has not within grace_s is ended, by its pid."""
+        has not within grace_s is left to the supervisor's stop."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass  # already gone
-        for end, timeout in ((lambda: None, grace_s), (self.proc.terminate, 15), (self.proc.kill, None)):
-            end()
-            try:
-                self.proc.wait(timeout=timeout)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def collect(children: dict[str, Child], events: queue.Queue, event: str, timeout_s: float) -> dict[str, dict]:
@@ -349,11 +345,12 @@ def run_arrangement(arrangement: Arrangement, args, daemon: MpsDaemon, logs: Pat
     row: dict = {"name": arrangement.name, "mps": arrangement.mps, "decode_sm_percent": arrangement.decode_percent,
                  "prefill_sm_percent": arrangement.prefill_percent}
     started, events, children, measured = time.monotonic(), queue.Queue(), {}, False
+    supervisor = Supervisor(grace_s=15)
     try:
         for role in arrangement.roles:
             env = child_env(dict(os.environ), arrangement, role, daemon.env)
-            children[role] = Child(role, [*CHILD_COMMAND, "--role", role, *child_args(args)], env,
-                                   logs / f"{arrangement.name}-{role}.log", events)
+            children[role] = Child(role, child_args(args), env, logs / f"{arrangement.name}-{role}.log", events,
+                                   supervisor)
         for child in children.values():
             child.start_reader()
         row["children"] = collect(children, events, "ready", args.ready_timeout_s)
@@ -371,7 +368,8 @@ def run_arrangement(arrangement: Arrangement, args, daemon: MpsDaemon, logs: Pat
         row["error"] = str(error)
     finally:
         for child in children.values():
-            child.stop(grace_s=60 if measured else 0)
+            child.finish(grace_s=60 if measured else 0)
+        supervisor.stop()
     row["wall_s"] = time.monotonic() - started
     return row
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.mps_daemon import MpsDaemon, find_mps_control
-from tests.stack import REPO, ServiceStack
+from services.stack.local import LocalStack
+from services.supervisor import REPO
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    services: tuple[str, ...]   # as ServiceStack names them: under services/, or a dotted module
+    services: tuple[str, ...]   # as LocalStack names them: under services/, or a dotted module
     sends_timings: bool         # whether the last chunk carries StageTimings
     mps: bool = False
 
@@ -67,24 +68,24 @@ class MpsSplit:
 
 @contextmanager
 def serving(mode: Mode, workdir: Path, cache_dir: str, settings: dict[str, str], mps_split: MpsSplit,
-            start_timeout_s: float) -> Iterator[tuple[ServiceStack, dict]]:
+            start_timeout_s: float) -> Iterator[tuple[LocalStack, dict]]:
     """The mode's processes, SERVING; yields the stack and facts for the report (the MPS check)."""
     if not mode.mps:
-        with ServiceStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
-                          **settings) as stack:
+        with LocalStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
+                        **settings) as stack:
             yield stack, {}
         return
     daemon = MpsDaemon(find_mps_control(), workdir / "mps")
     try:
         daemon.start()
-        with ServiceStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
-                          service_env=mps_split.service_env(), **settings, **daemon.env) as stack:
+        with LocalStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
+                        service_env=mps_split.service_env(), **settings, **daemon.env) as stack:
             yield stack, {"mps": mps_check(daemon, stack, mps_split)}
     finally:
         daemon.stop()
 
 
-def mps_check(daemon: MpsDaemon, stack: ServiceStack, split: MpsSplit) -> dict:
+def mps_check(daemon: MpsDaemon, stack: LocalStack, split: MpsSplit) -> dict:
     """Both workers must be clients of our daemon's server, or the mode is not what it claims."""
     clients = {pid for pids in daemon.clients().values() for pid in pids}
     workers = {name: stack.processes[name].pid for name in ("prefill", "decode")}

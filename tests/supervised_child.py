@@ -1,0 +1,37 @@
+"""A tiny service for tests/test_supervisor.py: `python -m tests.supervised_child [--exit-code N --after S]`.
+
+It appends when it started to --starts (so the test can time the restarts), then exits with N
+after S seconds, or with --after omitted runs until SIGTERM and exits 0, as the services do.
+--ignore-sigterm makes it a laggard the supervisor must SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--starts", required=True)
+    parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--after", type=float)
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    args = parser.parse_args()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with open(args.starts, "a") as starts:  # once its handler is in place: a SIGTERM from now on exits 0
+        starts.write(f"{time.monotonic()}\n")
+    if args.after is None:
+        while True:
+            time.sleep(1)
+    time.sleep(args.after)
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Chaos: the stack under the supervisor with restarts on, mixed traffic from a few clients, and a
+SIGKILL to a random service every few seconds. Every call must still end explicitly, and once the
+killing stops the stack must serve again with nothing held: no KV page, no shared memory.
+
+A killed service takes 10-40 s to serve again on a busy 2-core CPU, far longer than a few seconds:
+most kills wait for the stack to serve again and then for a few seconds of traffic, so that each
+hits requests in flight; the others come at once and may hit a service that is still starting.
+
+The random choices (calls, victims, pauses) come from a fixed seed; the timings do not.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+from services.stack.local import SERVICES
+from services.supervisor import RestartPolicy
+from tests.conftest import CACHE_DIR
+from tests.stack import ServiceStack
+from tests.test_faults import FAST_HEARTBEATS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SEED = 20240611
+CHAOS_S = 100.0
+KILL_EVERY_S = (4.0, 10.0)       # of serving, between two kills
+IMPATIENT = 0.25                 # the share of kills that do not wait for the stack to serve again
+CLIENTS = 4
+CALL_DEADLINE_S = 60.0           # every call has one: a call that reaches it was hung...
+PURPOSE_DEADLINE_S = (0.3, 2.0)  # ...unless it set a short one on purpose
+ANSWERS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"}
+# Every stage of a request bounded well inside CALL_DEADLINE_S, so that a lost request ends on
+# the router's side first.
+SETTINGS = {**FAST_HEARTBEATS, "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "10", "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": "30",
+            "PDSERVE_ROUTER_HANDOFF_TIMEOUT_S": "20", "PDSERVE_ROUTER_DECODE_TOKEN_TIMEOUT_S": "10"}
+# A service may be killed again while it starts: restart quickly, and give up only on a real crash loop.
+RESTARTS = RestartPolicy(first_delay_s=0.5, max_delay_s=2.0, stable_after_s=10.0, crash_limit=20, crash_window_s=60)
+# The router comes back within seconds: reconnect as fast, instead of gRPC's backoff of up to 2 minutes.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+PROMPTS = ("Hello", "Count slowly:", "Tell me about the sea.", "What is the capital of France?")
+
+
+def _call(rng: random.Random) -> tuple[str, generation_pb2.GenerateRequest, float, int]:
+    """A kind of call, its request, its deadline and after how many chunks the client cancels it (0: never)."""
+    kind = rng.choices(("short", "long", "cancelled", "deadline"), weights=(4, 3, 2, 2))[0]
+    request = generation_pb2.GenerateRequest(prompt=rng.choice(PROMPTS), temperature=rng.choice((0.0, 0.8)),
+                                             seed=rng.randrange(1 << 31), ignore_eos=True)
+    if kind == "short":
+        request.max_tokens = rng.randint(1, 8)
+        return kind, request, CALL_DEADLINE_S, 0
+    request.max_tokens = rng.randint(24, 64)  # some seconds of decoding on a busy CPU
+    if kind == "long":
+        return kind, request, CALL_DEADLINE_S, 0
+    if kind == "cancelled":
+        return kind, request, CALL_DEADLINE_S, rng.randint(1, 4)
+    request.max_tokens = 200
+    return kind, request, rng.uniform(*PURPOSE_DEADLINE_S), 0
+
+
+def _outcome(stub, request, deadline_s: float, cancel_after: int) -> str:
+    """The gRPC status the call ended with, or finished:<its finish_reason>."""
+    call = stub.Generate(request, timeout=deadline_s)
+    finish_reason = ""
+    try:
+        for chunks, chunk in enumerate(call, start=1):
+            finish_reason = chunk.finish_reason or finish_reason
+            if chunks == cancel_after:
+                call.cancel()
+    except grpc.RpcError as error:
+        return error.code().name
+    return f"finished:{finish_reason}"
+
+
+def _client(address: str, seed: int, until: float, outcomes: list) -> None:
+    rng = random.Random(seed)
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < until:
+            kind, request, deadline_s, cancel_after = _call(rng)
+            outcome = _outcome(stub, request, deadline_s, cancel_after)
+            outcomes.append((kind, outcome, time.monotonic()))
+            if outcome == "UNAVAILABLE":
+                time.sleep(0.5)  # a service is restarting: do not spin
+
+
+def _kill_at_random(stack: ServiceStack, rng: random.Random, until: float) -> list[tuple[float, str, float | None]]:
+    """When each kill came, its victim, and how long the stack took to serve again (None: the
+    next kill did not wait)."""
+    # By then the router has dropped a killed worker, so health says SERVING only once it is back.
+    dropped_s = 1.5 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"])
+    kills = []
+    while time.monotonic() + KILL_EVERY_S[1] < until:
+        time.sleep(rng.uniform(*KILL_EVERY_S))
+        victim = rng.choice(SERVICES)
+        stack.signal(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        if rng.random() < IMPATIENT:
+            kills.append((killed_at, victim, None))
+            continue
+        time.sleep(dropped_s)
+        stack.wait_serving()
+        kills.append((killed_at, victim, round(time.monotonic() - killed_at, 1)))
+    return kills
+
+
+def _wait_for_both_workers_drained(stack: ServiceStack, timeout_s: float = 90.0) -> None:
+    """A prefill and a decode registered again, every page free (a listing of one role could be a
+    killed worker not yet restarted)."""
+    deadline = time.monotonic() + timeout_s
+    while {w.role for w in stack.workers()} != {"prefill", "decode"}:
+        assert time.monotonic() < deadline, f"workers after the chaos: {stack.workers()}"
+        time.sleep(0.5)
+    stack.assert_pools_drained(timeout_s=max(1.0, deadline - time.monotonic()))
+
+
+def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoint, tmp_path):
+    outcomes: list[tuple[str, str, float]] = []  # kind, outcome, when it ended
+    with ServiceStack(tmp_path, CACHE_DIR, restart=RESTARTS, **SETTINGS) as stack:
+        until = time.monotonic() + CHAOS_S
+        clients = [threading.Thread(target=_client, args=(stack.address, SEED + i, until, outcomes))
+                   for i in range(CLIENTS)]
+        for client in clients:
+            client.start()
+        kills = _kill_at_random(stack, random.Random(SEED), until)
+        for client in clients:
+            client.join(timeout=CALL_DEADLINE_S + 30)
+        calls = collections.Counter((kind, outcome) for kind, outcome, _ in outcomes)
+        restarts = len(stack.supervisor.pids) - len(SERVICES)
+        summary = f"kills (victim, seconds to serve again): {[k[1:] for k in kills]}; {restarts=}; calls: {calls}"
+        print(summary)
+        assert not any(client.is_alive() for client in clients), "a call outlived its deadline: " + summary
+        assert stack.failure is None, summary
+        unanswered = [o for _, o, _ in outcomes if o not in ANSWERS and o not in ("finished:stop", "finished:length")]
+        assert not unanswered, summary
+        hung = [kind for kind, o, _ in outcomes if o == "DEADLINE_EXCEEDED" and kind != "deadline"]
+        assert not hung, summary
+        assert kills and any(o.startswith("finished:") and at > kills[0][0] for _, o, at in outcomes), \
+            "restarted services served: " + summary
+
+        time.sleep(2 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"]))  # the last victim is dropped
+        stack.wait_serving()
+        _wait_for_both_workers_drained(stack)
+        short = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=3, ignore_eos=True, temperature=0)
+        assert _outcome(stack.stub, short, CALL_DEADLINE_S, 0) == "finished:length", "serving again after the chaos"
+        codes = stack.stop()  # fails on shared memory left by any process of the run
+    assert codes == {name: 0 for name in SERVICES}
+    assert not stack.shm_segments()
