@@ -65,7 +65,7 @@ class TransformersGeneration(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         try:
-            check_request_shape(request)
+            check_request_shape(request, self.limits)
             job = build_job(request, tokenize(request, self.tokenizer), self.limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

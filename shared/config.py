@@ -79,10 +79,10 @@ class RouterConfig:
     progress_timeout_s: float = _positive(default=120.0)
     # Every stage of a request has a timeout, so that a lost frame or a wedged peer ends it with
     # UNAVAILABLE instead of never: the prefill's queue and compute (PrefillTask -> KvReady), the
-    # handoff (KvReady -> the decode's first token), and the decode (the longest gap between two
-    # tokens). The router queue's is admission_timeout_s.
+    # handoff (KvReady -> the decode's first token, which includes waiting for a batch slot), and
+    # the decode (the longest gap between two tokens). The router queue's is admission_timeout_s.
     prefill_timeout_s: float = _positive(default=600.0)
-    handoff_timeout_s: float = _positive(default=60.0)
+    handoff_timeout_s: float = _positive(default=120.0)
     decode_token_timeout_s: float = _positive(default=60.0)
     # A stream whose client has not taken its tokens for this long (its HTTP/2 window is full) is
     # cancelled; its KV room went back to admission when the decode finished it.

@@ -21,7 +21,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.registry import Collector
 
 from shared.gpu_telemetry import watch_gpu
-from shared.messages import ErrorCode, FinishReason, Heartbeat, Role
+from shared.messages import ErrorCode, FinishReason, Role
+from shared.router_link import WorkerLoad
 
 log = structlog.get_logger()
 
@@ -147,17 +148,16 @@ def forget_pages(worker_id: str, role: Role) -> None:
         gauge.remove(worker_id, role)
 
 
-_worker_heartbeats: list[Callable[[], Heartbeat]] = []  # services.colocated runs two workers
+_worker_loads: list[Callable[[], WorkerLoad]] = []  # services.colocated runs two workers
 
 
 @_never_raises
-def watch_worker(role: Role, total_pages: int, heartbeat: Callable[[], Heartbeat]) -> None:
-    """A worker's own gauges, read from its heartbeat: the same numbers the router is told. The
-    unlabelled load gauges add up every worker of this process."""
-    watch_pages(heartbeat().worker_id, role, total_pages, lambda: heartbeat().free_pages)
-    _worker_heartbeats.append(heartbeat)
-    watch_load(lambda: sum(h().running for h in _worker_heartbeats),
-               lambda: sum(h().waiting for h in _worker_heartbeats))
+def watch_worker(worker_id: str, role: Role, total_pages: int, load: Callable[[], WorkerLoad]) -> None:
+    """A worker's own gauges, read from what its heartbeat reports: the same numbers the router is
+    told. The unlabelled load gauges add up every worker of this process."""
+    watch_pages(worker_id, role, total_pages, lambda: load().free_pages)
+    _worker_loads.append(load)
+    watch_load(lambda: sum(w().running for w in _worker_loads), lambda: sum(w().waiting for w in _worker_loads))
 
 
 class RequestTimer:

@@ -1,4 +1,10 @@
-"""A worker's connection to the router: registration, heartbeats and typed messages.
+"""A worker's connection to the router: the registration handshake, heartbeats and typed messages.
+
+Registration is a handshake: start() sends Register and waits for Registered (the router's epoch)
+or Refused (the reason; the worker exits EXIT_REFUSED, since a restart would be refused again).
+Later, a router that does not know us (it restarted, or it dropped us as dead or stuck) answers
+our heartbeat with Reregister: the router has then forgotten every request we hold, so we drop
+them all (forget_all) before registering again, and nothing stays held for a router that is gone.
 
 The worker's main thread owns the DEALER socket: it sends its results straight onto it and
 reads its tasks from it between forward passes. No thread sits between the worker and the
@@ -7,15 +13,18 @@ crosses the link twice. Heartbeats must still go out while the main thread is in
 forward pass, so a heartbeat thread borrows the socket then: a lock hands the socket from one
 thread to the other (a mutex is the full memory barrier ZeroMQ asks for when a socket changes
 threads). While the main thread holds the socket, waiting for messages, it sends the heartbeats
-itself. A frame that does not decode is logged and dropped; the worker keeps running. If the
-router restarts it answers our heartbeat with Reregister and we register again, without a
-restart of the worker.
+itself. A heartbeat says how long ago the main loop last came round (made_progress), so the
+router can tell a worker that is alive from one whose loop is stuck while this thread still beats.
+
+The socket has no fixed ZeroMQ identity: the router learns each connection's routing id when it
+registers, so no peer can take over another worker's id by connecting under its name.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import structlog
@@ -23,23 +32,50 @@ import zmq
 
 from shared import wire
 from shared.config import WorkerConfig
-from shared.messages import Deregister, Heartbeat, Register, Registered, Reregister
+from shared.dispatch import Dispatcher, FatalError
+from shared.messages import EXIT_REFUSED, Deregister, Heartbeat, Refused, Register, Registered, Reregister
 from shared.zmq_security import secure_client
 
 log = structlog.get_logger()
 
+REGISTER_RESEND_S = 2.0  # a Register lost with a router that died before answering is sent again
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker's heartbeat reports of its own state."""
+    free_pages: int
+    running: int
+    waiting: int
+    holding: list[str]  # ids of the requests whose pages it holds
+
+
+class RegistrationRefused(FatalError):
+    exit_code = EXIT_REFUSED
+
+
+class RegistrationTimeout(FatalError):
+    pass
+
 
 class RouterLink:
-    def __init__(self, endpoint: str, worker_id: str, registration: Callable[[], Register],
-                 heartbeat: Callable[[], Heartbeat], settings: WorkerConfig):
-        self._worker_id = worker_id
+    def __init__(self, endpoint: str, registration: Register, load: Callable[[], WorkerLoad],
+                 forget_all: Callable[[], None], settings: WorkerConfig):
+        """forget_all: drops every request the worker holds, freeing its pages, without telling
+        the router (which no longer knows them); called before registering again."""
         self._registration = registration
-        self._heartbeat = heartbeat
+        self._worker_id = registration.worker_id
+        self._load = load
+        self._forget_all = forget_all
+        self._settings = settings
         self._interval = settings.heartbeat_interval_s
         self._next_beat = 0.0
+        self._registered_at = 0.0  # when Register last went out
+        self._epoch = ""  # the router's, from Registered; empty until registered
+        self._received: list[object] = []  # arrived during start(), not dispatched yet
+        self._last_progress = time.monotonic()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         # Tasks wait in the socket while the main thread computes; the router bounds how many.
         self._socket.setsockopt(zmq.RCVHWM, 0)
@@ -52,9 +88,17 @@ class RouterLink:
         self._beater = threading.Thread(target=self._beat_while_open, name="heartbeat", daemon=True)
 
     def start(self) -> None:
+        """Connects and registers; raises RegistrationRefused or RegistrationTimeout."""
         self._socket.connect(self._endpoint)
-        self.send(self._registration())
-        self._next_beat = time.monotonic() + self._interval
+        deadline = time.monotonic() + self._settings.register_timeout_s
+        with self._lock:
+            self._register()
+        while not self._epoch:
+            if time.monotonic() >= deadline:
+                raise RegistrationTimeout(f"no answer to Register from {self._endpoint} within "
+                                          f"{self._settings.register_timeout_s} s")
+            # What came right behind Registered (PoolAvailable, tasks) waits for the first dispatch.
+            self._received += self.receive(min(REGISTER_RESEND_S, deadline - time.monotonic()))
         self._beater.start()
 
     def send(self, message: object) -> None:
@@ -62,10 +106,14 @@ class RouterLink:
         with self._lock:
             self._socket.send(frame)
 
+    def made_progress(self) -> None:
+        """The main loop came round (or finished a chunk of a long step)."""
+        self._last_progress = time.monotonic()
+
     def receive(self, timeout_s: float) -> list[object]:
         """Every message that has arrived, waiting up to timeout_s for the first. Heartbeats due
-        meanwhile go out from here; the router's own replies (Registered, Reregister) are
-        handled here and not returned."""
+        meanwhile go out from here; the router's handshake messages are handled here and not
+        returned."""
         frames = []
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -79,23 +127,22 @@ class RouterLink:
                         break
                 if time.monotonic() >= deadline:
                     break
+        self.made_progress()  # waiting for messages is the loop coming round, however long
         return [m for m in map(self._decode, frames) if m is not None]
 
-    def dispatch(self, handlers: dict[type, Callable[[object], None]], timeout_s: float) -> None:
+    def dispatch(self, dispatcher: Dispatcher, timeout_s: float) -> None:
         """Runs the handler of every message that has arrived, waiting up to timeout_s for the first."""
-        for message in self.receive(timeout_s):
-            handler = handlers.get(type(message))
-            if handler is None:
-                log.warning("unexpected message", kind=type(message).__name__)
-            else:
-                handler(message)
+        messages, self._received = self._received + self.receive(0.0 if self._received else timeout_s), []
+        for message in messages:
+            dispatcher(message)
 
     def close(self, linger_s: float = 1.0) -> None:
         """Deregisters, flushes what was sent (up to linger_s) and closes the socket."""
         self._closing.set()
         if self._beater.ident is not None:  # started
             self._beater.join()
-        self.send(Deregister(self._worker_id))
+        if self._epoch:
+            self.send(Deregister(self._worker_id))
         self._socket.close(linger=int(linger_s * 1000))
         self._context.term()
 
@@ -110,10 +157,23 @@ class RouterLink:
                     self._lock.release()
 
     def _beat_if_due(self) -> None:
+        """Called with the lock held. Unregistered, it sends Register again instead."""
+        now = time.monotonic()
+        if not self._epoch:
+            if now - self._registered_at >= REGISTER_RESEND_S:
+                self._register()
+        elif now >= self._next_beat:
+            load = self._load()
+            self._socket.send(wire.encode(Heartbeat(
+                self._worker_id, self._epoch, load.free_pages, load.running, load.waiting,
+                now - self._last_progress, load.holding)))
+            self._next_beat = now + self._interval
+
+    def _register(self) -> None:
         """Called with the lock held."""
-        if time.monotonic() >= self._next_beat:
-            self._socket.send(wire.encode(self._heartbeat()))
-            self._next_beat = time.monotonic() + self._interval
+        self._socket.send(wire.encode(self._registration))
+        self._registered_at = time.monotonic()
+        self._next_beat = self._registered_at + self._interval
 
     def _decode(self, frame: bytes) -> object | None:
         try:
@@ -121,11 +181,22 @@ class RouterLink:
         except wire.WireError as exc:
             log.warning("dropped malformed frame from router", error=str(exc), size=len(frame))
             return None
-        if isinstance(message, Reregister):
-            log.info("router asked to register again")
-            self.send(self._registration())
-            return None
         if isinstance(message, Registered):
-            log.info("registered with router", router_started_at=message.router_started_at)
+            if not self._epoch:  # an answer to a resent Register repeats the first: nothing new
+                self._epoch = message.router_epoch
+                log.info("registered with router", router_epoch=message.router_epoch)
             return None
+        if isinstance(message, Reregister):
+            if not self._epoch:
+                return None  # registering already: one of several answers to heartbeats sent before
+            log.warning("the router does not know this worker (it restarted, or dropped it): dropping every "
+                        "request held and registering again", router_epoch=self._epoch)
+            self._forget_all()
+            self._epoch = ""
+            with self._lock:
+                self._register()
+            return None
+        if isinstance(message, Refused):
+            log.error("the router refused this worker", reason=message.reason)
+            raise RegistrationRefused(f"refused by the router: {message.reason}")
         return message

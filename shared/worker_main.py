@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import structlog
 
 from shared.config import Config, parse_service_config
+from shared.dispatch import FatalError
 from shared.log import configure_logging
+from shared.messages import Role
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.weight_share import map_weights, weights_file
@@ -34,14 +36,14 @@ class Worker:
     notify: SystemdNotify
 
 
-def start_worker(service: str) -> Worker:
-    """service is "prefill" or "decode": its config section names the worker id and cores."""
+def start_worker(role: Role) -> Worker:
+    """The role's config section names the worker id and cores."""
     die_with_parent()
-    config = parse_service_config(service)
-    section = getattr(config, service)
-    configure_logging(service, section.worker_id, config.log.format, config.log.level)
+    config = parse_service_config(role.value)
+    section = getattr(config, role.value)
+    configure_logging(role.value, section.worker_id, config.log.format, config.log.level)
     stopping = stop_event_on_signals()
-    cores = pin_to_cores(section.cpu_cores, "lower" if service == "prefill" else "upper")
+    cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
     model, finish = load_model(config, getattr(section, "weights_from", ""))
     log.info("model ready", cores=cores)
     return Worker(config, model, finish, stopping, SystemdNotify())
@@ -63,8 +65,12 @@ def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, Fini
 
 
 def exit_on_error(main) -> None:
+    """Runs a worker process's main: a FatalError exits with its code, any other error with 1."""
     try:
         main()
+    except FatalError as exc:
+        log.error("worker stopped", reason=str(exc), exit_code=exc.exit_code)
+        sys.exit(exc.exit_code)
     except Exception:
         log.exception("worker crashed")
         sys.exit(1)

@@ -50,7 +50,7 @@ SHAPE_ERRORS = {
 @pytest.mark.parametrize("fields", SHAPE_ERRORS.values(), ids=SHAPE_ERRORS.keys())
 def test_shape_errors(fields):
     with pytest.raises(InvalidRequest):
-        check_request_shape(request(**fields))
+        check_request_shape(request(**fields), LIMITS)
     with pytest.raises(InvalidRequest):  # build_job runs the same checks
         build_job(request(**fields), PROMPT_IDS, LIMITS)
 
@@ -62,7 +62,7 @@ def test_shape_errors(fields):
     dict(prompt="hi", temperature=0.0, top_p=1.0, top_k=0, max_tokens=1, stop=["x"] * 16),
 ])
 def test_valid_shapes_pass(fields):
-    check_request_shape(request(**fields))
+    check_request_shape(request(**fields), LIMITS)
 
 
 @pytest.mark.parametrize(("fields", "words"), [
@@ -73,7 +73,7 @@ def test_valid_shapes_pass(fields):
 ])
 def test_messages_say_what_is_wrong(fields, words):
     with pytest.raises(InvalidRequest, match=words):
-        check_request_shape(request(**fields))
+        check_request_shape(request(**fields), LIMITS)
 
 
 def test_max_tokens_above_the_context():
@@ -149,17 +149,18 @@ def test_chat_and_prompt_inputs_build_jobs():
     (dict(prompt_token_ids=[1, 2, 3]), 12),  # 4 per id
 ])
 def test_prompt_bytes_are_capped_before_tokenizing(fields, size):
-    check_request_shape(request(**fields), max_prompt_bytes=size)  # at the cap: taken
-    with pytest.raises(InvalidRequest, match=rf": {size} bytes, above router.max_prompt_bytes \({size - 1}\)"):
-        check_request_shape(request(**fields), max_prompt_bytes=size - 1)
+    exact = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256, max_prompt_bytes=size)
+    check_request_shape(request(**fields), exact)  # at the cap: taken
     capped = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256, max_prompt_bytes=size - 1)
+    with pytest.raises(InvalidRequest, match=rf": {size} bytes, above router.max_prompt_bytes \({size - 1}\)"):
+        check_request_shape(request(**fields), capped)
     with pytest.raises(InvalidRequest, match="router.max_prompt_bytes"):  # build_job runs the same check
         build_job(request(**fields), PROMPT_IDS, capped)
 
 
 def test_prompt_bytes_default_to_the_configs():
     limit = RouterConfig().max_prompt_bytes
-    check_request_shape(request(prompt="x" * limit))
+    check_request_shape(request(prompt="x" * limit), LIMITS)
     with pytest.raises(InvalidRequest, match=f"above router.max_prompt_bytes \\({limit}\\)"):
-        check_request_shape(request(prompt="x" * (limit + 1)))
+        check_request_shape(request(prompt="x" * (limit + 1)), LIMITS)
     assert LIMITS.max_prompt_bytes == limit

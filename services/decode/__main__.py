@@ -1,11 +1,12 @@
 """python -m services.decode: the decode worker (KV pull, continuous batching, sampling)."""
 
 from services.decode.worker import DecodeWorker
+from shared.messages import Role
 from shared.worker_main import exit_on_error, start_worker
 
 
 def main() -> None:
-    DecodeWorker(start_worker("decode")).run()
+    DecodeWorker(start_worker(Role.DECODE)).run()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Lifecycle of a request here:
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 
@@ -25,6 +24,7 @@ from services.decode.handoff import HandoffError, KvPuller
 from shared import metrics
 from shared.config import Config
 from shared.device import on_stream, worker_stream
+from shared.dispatch import FatalError
 from shared.kv_pool import (
     PageAllocator,
     PoolExhausted,
@@ -38,17 +38,16 @@ from shared.messages import (
     DecodeTask,
     ErrorCode,
     Failed,
-    Heartbeat,
     KvPulled,
     PoolAvailable,
     PoolGone,
-    Register,
     Role,
     TokenBatch,
     TokenOut,
 )
-from shared.router_link import RouterLink
+from shared.router_link import WorkerLoad
 from shared.sampling import sample
+from shared.worker_loop import WorkerLoop
 from shared.worker_main import Worker
 
 log = structlog.get_logger()
@@ -63,18 +62,17 @@ def receive_timeout_s(busy: bool, idle_for_s: float, idle_spin_s: float) -> floa
     return 0.0 if busy or idle_for_s < idle_spin_s else IDLE_WAIT_S
 
 
-class WeightsOwnerGone(RuntimeError):
+class WeightsOwnerGone(FatalError):
     """Exits the decode (its supervisor restarts it once the prefill is back)."""
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerLoop):
+    role = Role.DECODE
+
     def __init__(self, worker: Worker):
         config, model = worker.config, worker.model
-        self.worker_id = config.decode.worker_id
         self.model = model
         self.finish = worker.finish
-        self.stopping = worker.stopping
-        self.notify = worker.notify
         self.max_batch_size = config.decode.max_batch_size
         self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
@@ -86,59 +84,66 @@ class DecodeWorker:
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages
         self.puller = KvPuller(self.pool, self.scratch_page)
-        self.stream = worker_stream(model.device, high_priority=True)
+        stream = worker_stream(model.device, high_priority=True)
         # The most pages one request can hold: its whole context, within the pool.
         max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
         self.inputs = StepInputBuilder(self.max_batch_size, max_pages, layout.page_size, model.device)
-        self.graphs = self._capture_graphs(config, max_pages) if model.device.type == "cuda" else None
+        self.graphs = self._capture_graphs(config, max_pages, stream) if model.device.type == "cuda" else None
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
-        self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker)
-        self.handlers = {DecodeTask: self._on_task, Abort: self._on_abort,
-                         PoolAvailable: self._on_pool_available, PoolGone: self._on_pool_gone}
-        metrics.watch_worker(Role.DECODE, self.allocator.num_pages, self._heartbeat)
-        metrics.serve(config.decode.metrics_address, metrics.WORKER)
+        self.last_busy = float("-inf")
+        super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, None,
+                         {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
+                          PoolGone: self._on_pool_gone}, stream)
+        metrics.watch_worker(self.worker_id, Role.DECODE, self.allocator.num_pages, self.load)
+        metrics.serve(config.decode.metrics_address, metrics.WORKER, config.model.device)
+        log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
+                 stream_priority=stream.priority if stream is not None else None)
 
-    def _capture_graphs(self, config: Config, max_pages: int) -> GraphedDecode | None:
+    def _capture_graphs(self, config: Config, max_pages: int, stream) -> GraphedDecode | None:
         sizes = config.decode.graph_batch_sizes()
         if not sizes:
             return None
-        with on_stream(self.stream):
+        with on_stream(stream):
             return GraphedDecode(self.model, self.pool, self.scratch_page, max_pages, sizes)
 
-    def _registration(self) -> Register:
-        return Register(self.worker_id, Role.DECODE, os.getpid(), self.allocator.num_pages,
-                        self.pool.layout.page_size, None)
+    # ---- the skeleton's hooks ----
 
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, self.allocator.num_free, len(self.running), len(self.waiting))
+    def load(self) -> WorkerLoad:
+        held = [*self.running, *list(self.waiting)]
+        return WorkerLoad(self.allocator.num_free, len(self.running), len(self.waiting),
+                          [request.request_id for request in held])
 
-    def run(self) -> None:
-        self.link.start()
-        self.notify.ready()
-        log.info("decode worker serving", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
-                 stream_priority=self.stream.priority if self.stream is not None else None)
-        try:
-            with on_stream(self.stream):
-                self._loop()
-        finally:
-            self._shutdown()
+    def receive_timeout_s(self) -> float:
+        now = time.monotonic()
+        busy = bool(self.running or self.puller.copying)
+        if busy:
+            self.last_busy = now
+        return receive_timeout_s(busy, now - self.last_busy, self.idle_spin_s)
 
-    def _loop(self) -> None:
-        last_busy = float("-inf")
-        while not self.stopping.is_set():
-            self.notify.watchdog()
-            now = time.monotonic()
-            busy = bool(self.running or self.puller.copying)
-            if busy:
-                last_busy = now
-            self.link.dispatch(self.handlers, timeout_s=receive_timeout_s(busy, now - last_busy, self.idle_spin_s))
-            self._acknowledge_pulls()
-            while self.waiting and len(self.running) < self.max_batch_size:
-                self.running.append(self.waiting.popleft())
-            if self.running:
-                self._step()
+    def step(self) -> None:
+        self._acknowledge_pulls()
+        while self.waiting and len(self.running) < self.max_batch_size:
+            self.running.append(self.waiting.popleft())
+        if self.running:
+            self._step()
+
+    def forget_all(self) -> None:
+        self._acknowledge_pulls()  # copies in flight still land; the prefill's pages are its own concern
+        for request in [*self.running, *self.waiting]:
+            self.allocator.free(request.pages)
+        self.running, self.waiting = [], deque()
+
+    def fail_all(self, reason: str) -> None:
+        for request in [*self.running, *self.waiting]:
+            self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, reason))
+            self.allocator.free(request.pages)
+        self.running, self.waiting = [], deque()
+
+    def close(self) -> None:
+        self.puller.close()
+
+    # ---- requests ----
 
     def _on_pool_available(self, message: PoolAvailable) -> None:
         try:
@@ -199,13 +204,3 @@ class DecodeWorker:
                 self.allocator.free(request.pages)
         self.running = still_running
         self.link.send(TokenBatch(out, started_at))
-
-    def _shutdown(self) -> None:
-        self.notify.stopping()
-        for request in [*self.running, *self.waiting]:
-            self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, "decode worker is shutting down"))
-            self.allocator.free(request.pages)
-        self.running, self.waiting = [], deque()
-        self.link.close()
-        self.puller.close()
-        log.info("decode worker stopped")

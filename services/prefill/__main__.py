@@ -1,11 +1,12 @@
 """python -m services.prefill: the prefill worker (prompt forward pass, first token, KV export)."""
 
 from services.prefill.worker import PrefillWorker
+from shared.messages import Role
 from shared.worker_main import exit_on_error, start_worker
 
 
 def main() -> None:
-    PrefillWorker(start_worker("prefill")).run()
+    PrefillWorker(start_worker(Role.PREFILL)).run()
 
 
 if __name__ == "__main__":

@@ -10,85 +10,93 @@ The pool is exported once at start (shared/kv_share.py); only page ids leave thi
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 
 import structlog
 
 from shared import metrics, wire
-from shared.device import on_stream, worker_stream
+from shared.device import worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
 from shared.kv_share import export_pool
-from shared.messages import Abort, ErrorCode, Failed, Heartbeat, KvReady, PrefillTask, Register, ReleaseKv, Role
+from shared.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
 from shared.model.weight_share import publish_weights, weights_file
-from shared.router_link import RouterLink
+from shared.router_link import WorkerLoad
 from shared.sampling import sample
+from shared.worker_loop import WorkerLoop
 from shared.worker_main import Worker
 
 log = structlog.get_logger()
 
+IDLE_WAIT_S = 0.1  # an idle loop's longest wait for a message (it also pings the watchdog)
 
-class PrefillWorker:
+
+class PrefillWorker(WorkerLoop):
+    role = Role.PREFILL
+
     def __init__(self, worker: Worker, colocated: bool = False):
         """colocated: a decode runs in this process on the same model (services/colocated), so no
         other process maps the weights, and the decode's metrics endpoint serves this process."""
         config, model = worker.config, worker.model
-        self.worker_id = config.prefill.worker_id
         self.model = model
         self.finish = worker.finish
-        self.stopping = worker.stopping
-        self.notify = worker.notify
         self.chunk_tokens = config.prefill.chunk_tokens
-        self.stream = worker_stream(model.device, high_priority=False)
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
-        self.exported = export_pool(layout, self.worker_id, model.device)
+        self.page_size = layout.page_size
+        self.exported = export_pool(layout, config.prefill.worker_id, model.device)
         self.allocator = PageAllocator(layout.num_pages)
         self.waiting: deque[PrefillTask] = deque()
         self.held: dict[str, list[int]] = {}
-        self.link = RouterLink(config.router.zmq_endpoint(), self.worker_id, self._registration,
-                               self._heartbeat, config.worker)
+        super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handle,
+                         {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
+                         worker_stream(model.device, high_priority=False))
         self.weights_path = None
         if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
-            self.weights_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             publish_weights(model, self.weights_path)
-        self.handlers = {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort}
-        metrics.watch_worker(Role.PREFILL, self.allocator.num_pages, self._heartbeat)
+        metrics.watch_worker(self.worker_id, Role.PREFILL, self.allocator.num_pages, self.load)
         if not colocated:
-            metrics.serve(config.prefill.metrics_address, metrics.WORKER)
+            metrics.serve(config.prefill.metrics_address, metrics.WORKER, config.model.device)
 
-    def _registration(self) -> Register:
-        return Register(self.worker_id, Role.PREFILL, os.getpid(), self.allocator.num_pages,
-                        self.exported.pool.layout.page_size, self.exported.handle)
+    # ---- the skeleton's hooks ----
 
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, self.allocator.num_free, len(self.held), len(self.waiting))
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.allocator.num_free, len(self.held), len(self.waiting),
+                          [*self.held, *(task.request_id for task in list(self.waiting))])
 
-    def run(self) -> None:
-        self.link.start()
-        self.notify.ready()
-        log.info("prefill worker serving", pool_pages=self.allocator.num_pages, kv_export=self.exported.handle.backend)
-        try:
-            with on_stream(self.stream):
-                self._loop()
-        finally:
-            self._shutdown()
+    def receive_timeout_s(self) -> float:
+        return 0.0 if self._next_fits() else IDLE_WAIT_S
 
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            self.notify.watchdog()
-            self.link.dispatch(self.handlers, timeout_s=0 if self._next_fits() else 0.1)
-            if self._next_fits():
-                self._prefill(self.waiting.popleft())
+    def step(self) -> None:
+        if self._next_fits():
+            self._prefill(self.waiting.popleft())
+
+    def forget_all(self) -> None:
+        for pages in self.held.values():
+            self.allocator.free(pages)
+        self.held.clear()
+        self.waiting.clear()
+
+    def fail_all(self, reason: str) -> None:
+        for task in self.waiting:
+            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, reason))
+        self.waiting.clear()
+        log.info("prefill pages still held at stop", held_pages=sum(map(len, self.held.values())))
+
+    def close(self) -> None:
+        self.exported.close()
+        if self.weights_path is not None:
+            self.weights_path.unlink(missing_ok=True)
+
+    # ---- requests ----
 
     def _next_fits(self) -> bool:
         return bool(self.waiting) and pages_for(len(self.waiting[0].prompt_token_ids),
-                                                self.exported.pool.layout.page_size) <= self.allocator.num_free
+                                                self.page_size) <= self.allocator.num_free
 
     def _on_task(self, task: PrefillTask) -> None:
-        needed = pages_for(len(task.prompt_token_ids), self.exported.pool.layout.page_size)
+        needed = pages_for(len(task.prompt_token_ids), self.page_size)
         if not task.prompt_token_ids or needed > self.allocator.num_pages:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.allocator.num_pages}"))
@@ -108,9 +116,9 @@ class PrefillWorker:
         queued_s = max(0.0, time.time() - task.sent_at)  # includes waiting in the socket behind earlier prompts
         started = time.perf_counter()
         prompt = task.prompt_token_ids
-        pages = self.allocator.allocate(pages_for(len(prompt), self.exported.pool.layout.page_size))
+        pages = self.allocator.allocate(pages_for(len(prompt), self.page_size))
         try:
-            logits = self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)
+            logits = self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens, self.link.made_progress)
             token = sample(logits[None], [task.sampling], [0])[0]  # syncs: the pages are written
         except Exception as exc:
             self.allocator.free(pages)
@@ -123,13 +131,3 @@ class PrefillWorker:
         self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(pages), len(prompt), token,
                                finish_reason, queued_s, compute_s, time.time()))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
-
-    def _shutdown(self) -> None:
-        self.notify.stopping()
-        for task in self.waiting:
-            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
-        self.link.close()
-        self.exported.close()
-        if self.weights_path is not None:
-            self.weights_path.unlink(missing_ok=True)
-        log.info("prefill worker stopped", held_pages=sum(map(len, self.held.values())))

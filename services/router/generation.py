@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import grpc
 import structlog
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 from services.router.detokenizer import IncrementalText
-from services.router.token_router import ErrorEvent, InflightRequest, RequestError, TokenRouter
+from services.router.request import ErrorEvent, InflightRequest, RequestError
+from services.router.token_router import TokenRouter
 from services.router.validation import InvalidRequest, ModelLimits, build_job, check_request_shape, tokenize
 from shared.messages import FinishReason
 from shared.metrics import RequestTimer
@@ -19,18 +19,22 @@ from shared.metrics import RequestTimer
 log = structlog.get_logger()
 
 
+class StreamStalled(Exception):
+    """The client has not taken a chunk for router.stall_timeout_s."""
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, router: TokenRouter, tokenizer, limits: ModelLimits):
+    def __init__(self, router: TokenRouter, tokenizer, limits: ModelLimits, stall_timeout_s: float):
         self.router = router
         self.tokenizer = tokenizer
         self.limits = limits
+        self.stall_timeout_s = stall_timeout_s
 
-    async def Generate(self, request, context: grpc.aio.ServicerContext):
+    async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         timer = RequestTimer()
-        request_id = request.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        with structlog.contextvars.bound_contextvars(label=request.request_id):
             try:
-                check_request_shape(request)
+                check_request_shape(request, self.limits)
                 # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
                 prompt_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
                 job = build_job(request, prompt_ids, self.limits)
@@ -43,45 +47,72 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 log.info("input not tokenizable", error=str(exc))
                 timer.failed("INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize the input: {exc}")
-            inflight = InflightRequest(request_id, job)
-            inflight.timings["tokenize_s"] = tokenize_s
+            inflight = InflightRequest(job, label=request.request_id)
+            inflight.timings.tokenize_s = tokenize_s
+            structlog.contextvars.bind_contextvars(request_id=inflight.request_id)
             try:
                 await self.router.submit(inflight)
-                async for response in self._stream(inflight, context, timer):
-                    yield response
+                async for response in self._responses(inflight, timer):
+                    await self._write(context, response)
             except RequestError as exc:
                 timer.failed(exc.code.value)
                 await context.abort(grpc.StatusCode[exc.code.value], str(exc))
-            except (asyncio.CancelledError, GeneratorExit):  # the client went away, or its deadline passed
+            except StreamStalled as exc:
+                log.warning("cancelling a stream its client stopped reading", error=str(exc))
+                timer.failed("CANCELLED")
+                self.router.finish(inflight)
+                # The status waits behind the unread chunks, so this returns once the client reads
+                # again, goes away, or its deadline passes; nothing of the request is held meanwhile.
+                await context.abort(grpc.StatusCode.CANCELLED, str(exc))
+            except asyncio.CancelledError:  # the client went away, or its deadline passed
                 timer.cancelled(context)
                 raise
             finally:
                 timer.failed("UNKNOWN")  # counts only if nothing above did: an unexpected error, gRPC's UNKNOWN
                 self.router.finish(inflight)
 
-    async def _stream(self, inflight: InflightRequest, context, timer: RequestTimer):
+    async def _write(self, context: grpc.aio.ServicerContext, response) -> None:
+        """A write waits while the client's HTTP/2 window is full: a client that stops reading."""
+        try:
+            await asyncio.wait_for(context.write(response), self.stall_timeout_s)
+        except TimeoutError:
+            raise StreamStalled(f"the client read nothing for {self.stall_timeout_s} s "
+                                "(router.stall_timeout_s)") from None
+
+    async def _responses(self, inflight: InflightRequest, timer: RequestTimer):
+        """One chunk per batch of events taken: one token each while the client keeps up, all that
+        queued up when it reads slower than the decode writes."""
         text = IncrementalText(self.tokenizer, inflight.job.stop_strings)
         generated = 0
         while True:
-            event = await inflight.events.get()
-            if isinstance(event, ErrorEvent):
-                log.warning("request failed", code=event.code.value, error=event.message)
-                timer.failed(event.code.value)
-                await context.abort(grpc.StatusCode[event.code.value], event.message)
-            generated += 1
-            piece, stopped = text.push(event.token_id)
-            finish = FinishReason.STOP if stopped else event.finish_reason
+            events = [await inflight.events.get()]
+            while not inflight.events.empty():
+                events.append(inflight.events.get_nowait())
+            token_ids, pieces, finish = [], [], None
+            for event in events:
+                if isinstance(event, ErrorEvent):
+                    log.warning("request failed", code=event.code.value, error=event.message)
+                    raise RequestError(event.code, event.message)
+                generated += 1
+                piece, stopped = text.push(event.token_id)
+                token_ids.append(event.token_id)
+                pieces.append(piece)
+                finish = FinishReason.STOP if stopped else event.finish_reason
+                if finish is not None:
+                    if not stopped:
+                        pieces.append(text.flush())
+                    break
             timer.chunk()
             if finish is None:
-                yield generation_pb2.GenerateResponse(request_id=inflight.request_id, token_ids=[event.token_id],
-                                                      text=piece)
+                yield generation_pb2.GenerateResponse(request_id=inflight.label, token_ids=token_ids,
+                                                      text="".join(pieces))
                 continue
             usage = generation_pb2.Usage(prompt_tokens=len(inflight.job.prompt_token_ids), completion_tokens=generated)
             timer.succeeded(finish, generated)
+            inflight.clock.fill(inflight.timings)
             yield generation_pb2.GenerateResponse(
-                request_id=inflight.request_id, token_ids=[event.token_id],
-                text=piece if stopped else piece + text.flush(), finish_reason=finish.value, usage=usage,
-                timings=generation_pb2.StageTimings(**inflight.stage_timings()))
+                request_id=inflight.label, token_ids=token_ids, text="".join(pieces), finish_reason=finish.value,
+                usage=usage, timings=generation_pb2.StageTimings(**inflight.timings.as_dict()))
             return
 
     async def ListWorkers(self, request, context):

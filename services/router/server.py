@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path
 
 import grpc
 import structlog
@@ -36,10 +35,10 @@ async def serve(config: Config) -> None:
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
     hf_config = load_hf_config(checkpoint)
-    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens)
-    runtime_dir = Path(config.router.runtime_dir)
-    runtime_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(runtime_dir, 0o700)  # ipc:// sockets inside: only the service user may connect
+    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens,
+                         config.router.max_prompt_bytes)
+    # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
+    os.chmod(config.router.runtime_dir, 0o700)
 
     health_servicer = health.aio.HealthServicer()
 
@@ -54,7 +53,8 @@ async def serve(config: Config) -> None:
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router, tokenizer, limits), server)
+    generation = GenerationService(router, tokenizer, limits, config.router.stall_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = tls_credentials(config.router)

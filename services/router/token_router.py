@@ -1,130 +1,100 @@
-"""The token router: one ZeroMQ ROUTER socket to every worker, request placement and routing.
+"""The token router: one ZeroMQ ROUTER socket to every worker, and each request's journey over it.
 
-A request's journey through the router (InflightRequest.stage):
-  ADMITTING  submit() waits, FIFO, until one prefill and one decode have room; it reserves the
-             prompt's pages on the prefill and prompt + max_tokens pages on the decode, so a
-             finished prefill never waits for decode room; then sends PrefillTask.
-  PREFILL    KvReady: the first token goes to the caller; DecodeTask goes to the decode (or the
-             request is already done and the prefill is told ReleaseKv).
-  DECODE     KvPulled: ReleaseKv to the prefill. TokenBatch entries go to the caller.
-  DONE       the workers ended it (EOS, length), or finish() ended it early (client gone, stop
-             string, error) and sent Abort to the worker that still holds it.
-Every prefill KV that has not been released is tracked in `handoffs` until ReleaseKv is sent,
-even after its request is gone, so no prefill page outlives its purpose. A worker silent past
-the heartbeat timeout is dropped and its requests fail with UNAVAILABLE.
+    submit():   Admission places the request on a prefill and a decode  -> PrefillTask
+    KvReady:    the first token goes to the front; DecodeTask to the decode (or, when the first
+                token ended it, ReleaseKv to the prefill)
+    KvPulled:   ReleaseKv to the prefill (only now may it free the prompt's pages)
+    TokenBatch: tokens go to the front; the last one gives the decode's reservation back
+    finish():   the front is done (the end, or client gone, stop string): Abort to a worker
+                that still holds the request
+
+The router is one incarnation among many: its epoch, sent in Registered, comes back in every
+heartbeat, and a worker that hears Reregister drops all it held before registering again.
+Nothing is trusted blindly: each message about a request must come from the worker the router
+gave it to, a worker's CURVE key decides which worker ids and roles it may register as, and a
+send to a worker that is gone (ROUTER_MANDATORY) drops it at once. A worker silent past
+router.heartbeat_timeout_s, or whose main loop has not come round for router.progress_timeout_s,
+is dropped and its requests fail with UNAVAILABLE; so does a request that overstays any stage's
+timeout. Heartbeats list what each worker holds, and the router aborts what it no longer knows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Callable
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from services.router.validation import Job
+from services.router.admission import Admission
+from services.router.request import ErrorEvent, InflightRequest, Stage, TokenEvent
 from services.router.workers import Worker, WorkerRegistry
 from shared import metrics, wire
 from shared.config import Config
-from shared.kv_pool import decode_pages_needed, pages_for
-from shared.messages import (Abort, DecodeTask, Deregister, ErrorCode, Failed, FinishReason, Heartbeat, KvPulled,
-                             KvReady, PoolAvailable, PoolGone, PrefillTask, Register, Registered, ReleaseKv,
+from shared.dispatch import Dispatcher
+from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, ErrorCode, Failed, Heartbeat, KvPulled,
+                             KvReady, PoolAvailable, PoolGone, PrefillTask, Refused, Register, Registered, ReleaseKv,
                              Reregister, Role, TokenBatch)
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
 
-
-class RequestError(Exception):
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class Stage(Enum):
-    ADMITTING = "admitting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    DONE = "done"
-
-
 @dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    finish_reason: FinishReason | None
+class Peer:
+    """Who sent a frame: its connection, the CURVE key it proved (None on ipc://), and the worker
+    registered on that connection with that key, if any."""
+    identity: bytes
+    user_id: str | None
+    worker: Worker | None
 
 
-@dataclass(frozen=True)
-class ErrorEvent:
-    code: ErrorCode
-    message: str
-
-
-@dataclass(eq=False)
-class InflightRequest:
-    request_id: str
-    job: Job
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    stage: Stage = Stage.ADMITTING
-    prefill: Worker | None = None
-    decode: Worker | None = None
-    prefill_pages: int = 0
-    decode_pages: int = 0
-    # Seconds per stage, for the summary line and the benchmarks' TTFT breakdown.
-    timings: dict[str, float] = field(default_factory=dict)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    # Wall clocks (time.time) of the handoff, stamped by the processes where each happened.
-    kv_ready_at: float = 0.0            # the prefill's KV complete
-    pulled_at: float = 0.0              # the pages in the decode's pool
-    first_step_started_at: float = 0.0  # the decode's first step for this request began
-    first_step_received_at: float = 0.0  # that step's tokens reached the router
-
-    def stage_timings(self) -> dict[str, float]:
-        """The StageTimings of the API (proto/pdserve/v1/generation.proto), in seconds."""
-        t = self.timings
-        stages = {"tokenize_s": t.get("tokenize_s", 0.0), "router_queue_s": t.get("admission_s", 0.0),
-                  "prefill_queue_s": t.get("prefill_queue_s", 0.0),
-                  "prefill_compute_s": t.get("prefill_compute_s", 0.0),
-                  "first_token_s": t.get("tokenize_s", 0.0) + t.get("ttft_s", 0.0)}
-        if self.pulled_at and self.first_step_started_at:
-            stages.update(kv_handoff_s=self.pulled_at - self.kv_ready_at,
-                          decode_queue_s=self.first_step_started_at - self.pulled_at,
-                          first_decode_step_s=self.first_step_received_at - self.first_step_started_at)
-        return stages
+@dataclass
+class Handoff:
+    """A prefill's KV that the decode has not pulled yet: ReleaseKv is owed to the prefill."""
+    prefill_id: str
+    decode_id: str
+    since: float  # time.monotonic() of KvReady
 
 
 class TokenRouter:
     def __init__(self, config: Config, on_workers_changed: Callable[[bool], None]):
         self.config = config
-        self.page_size = config.kv.page_size
+        self.settings = config.router
+        self.epoch = secrets.token_hex(8)
         self.registry = WorkerRegistry()
-        self.requests: dict[str, InflightRequest] = {}
-        self.handoffs: dict[str, tuple[str, str]] = {}  # request id -> (prefill id, decode id)
-        self.admission: deque[tuple[InflightRequest, asyncio.Future]] = deque()
-        metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission))
-        self.started_at = time.time()
+        self.admission = Admission(self.registry, config.router, config.kv.page_size, self._start_prefill)
+        self.requests: dict[str, InflightRequest] = {}  # by the router's own request ids
+        self.handoffs: dict[str, Handoff] = {}
+        metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission.waiting))
         self._on_workers_changed = on_workers_changed
+        self._unreachable: set[Worker] = set()
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
+        # A send to a connection that is gone raises instead of vanishing: the request fails now,
+        # not after the heartbeat timeout. No send limit: admission bounds what is in flight.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-        self._authenticator = None  # CURVE's ZAP handler, on tcp:// only
+        # Sends go through a plain (synchronous) view of the same socket, on the event loop's
+        # thread: the asyncio socket would hand a send's error to a future nobody awaits.
+        self._sender = zmq.Socket.shadow(self._socket.underlying)
+        self._security = None
         self._tasks: list[asyncio.Task] = []
-        self.handlers = {
+        self.dispatch = Dispatcher({
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
             KvPulled: self._on_kv_pulled, TokenBatch: self._on_token_batch, Failed: self._on_failed,
             Deregister: self._on_deregister,
-        }
+        })
 
     async def start(self) -> None:
-        self._authenticator = secure_server(self._socket, self.config.router)
-        self._socket.bind(self.config.router.zmq_endpoint())
+        self._security = secure_server(self._socket, self.settings)
+        self._socket.bind(self.settings.zmq_endpoint())
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._liveness_loop())]
+        log.info("token router started", epoch=self.epoch)
 
     async def stop(self) -> None:
         for request in list(self.requests.values()):
@@ -133,146 +103,149 @@ class TokenRouter:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._socket.close(linger=500)
-        if self._authenticator is not None:
-            self._authenticator.stop()
+        if self._security is not None:
+            self._security.stop()
         self._context.term()
 
     def serving(self) -> bool:
         return bool(self.registry.of_role(Role.PREFILL)) and bool(self.registry.of_role(Role.DECODE))
 
-    # ---- requests: called by the gRPC servicer ----
+    # ---- requests: called by the fronts ----
 
     async def submit(self, request: InflightRequest) -> None:
-        """Places the request on a prefill and a decode, waiting in FIFO order for room."""
-        job = request.job
-        request.prefill_pages = pages_for(len(job.prompt_token_ids), self.page_size)
-        request.decode_pages = decode_pages_needed(len(job.prompt_token_ids), job.stop.max_tokens, self.page_size)
-        if not self.serving():
-            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are registered yet")
-        for role, pages in ((Role.PREFILL, request.prefill_pages), (Role.DECODE, request.decode_pages)):
-            if pages > self.registry.largest_pool(role):
-                raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, f"request needs {pages} KV pages, more than any "
-                                   f"{role} pool holds ({self.registry.largest_pool(role)})")
-        if not self.admission and self._place(request):
-            return
-        if len(self.admission) >= self.config.router.max_waiting_requests:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                               f"{len(self.admission)} requests already wait for KV room; try again later")
-        admitted = asyncio.get_running_loop().create_future()
-        entry = (request, admitted)
-        self.admission.append(entry)
-        try:
-            await asyncio.wait_for(admitted, self.config.router.admission_timeout_s)
-        except TimeoutError:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, "no KV room became free within "
-                               f"{self.config.router.admission_timeout_s} s") from None
-        finally:
-            if entry in self.admission:
-                self.admission.remove(entry)
+        """Places the request and starts its prefill; raises RequestError when it cannot."""
+        await self.admission.admit(request)
+        self._drop_unreachable()  # the PrefillTask's send may have found its worker gone
 
     def finish(self, request: InflightRequest) -> None:
-        """The caller is done with the request (ended, failed or cancelled): release everything."""
+        """The front is done with the request (ended, failed or cancelled): release what is left."""
         if self.requests.pop(request.request_id, None) is None:
             return
-        if request.stage == Stage.PREFILL and request.prefill is not None:
-            self._send(request.prefill, Abort(request.request_id))
-        elif request.stage == Stage.DECODE and request.decode is not None:
-            self._send(request.decode, Abort(request.request_id))
-        for worker, pages in ((request.prefill, request.prefill_pages), (request.decode, request.decode_pages)):
-            if worker is not None:
-                worker.reserved_pages -= pages
-                worker.requests.discard(request.request_id)
-        request.prefill_pages = request.decode_pages = 0
-        early = request.stage != Stage.DONE
-        request.stage = Stage.DONE
-        request.timings["total_s"] = time.perf_counter() - request.submitted_at
-        log.info("request finished", request_id=request.request_id, aborted=early,
+        early = not request.ended()
+        if early:
+            self._abort_on_workers(request)
+            self._end(request)
+        request.clock.fill(request.timings)
+        log.info("request finished", request_id=request.request_id, label=request.label, aborted=early,
                  prompt_tokens=len(request.job.prompt_token_ids),
-                 **{k: round(v, 6) for k, v in request.timings.items()})
-        self._admit_waiting()
+                 total_s=round(time.perf_counter() - request.submitted_at, 6),
+                 **{k: round(v, 6) for k, v in request.timings.as_dict().items()})
+        self._drop_unreachable()
 
-    # ---- placement ----
+    # ---- a request's stages ----
 
-    def _place(self, request: InflightRequest) -> bool:
-        prefill = self.registry.pick(Role.PREFILL, request.prefill_pages)
-        decode = self.registry.pick(Role.DECODE, request.decode_pages)
-        if prefill is None or decode is None:
-            return False
-        request.prefill, request.decode = prefill, decode
-        prefill.reserved_pages += request.prefill_pages
-        decode.reserved_pages += request.decode_pages
-        prefill.requests.add(request.request_id)
-        decode.requests.add(request.request_id)
-        request.stage = Stage.PREFILL
-        request.timings["admission_s"] = time.perf_counter() - request.submitted_at
+    def _start_prefill(self, request: InflightRequest) -> None:
         self.requests[request.request_id] = request
+        request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
-        self._send(prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling, job.stop, time.time()))
-        return True
+        self._send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling, job.stop,
+                                                time.time()))
 
-    def _admit_waiting(self) -> None:
-        while self.admission:
-            request, admitted = self.admission[0]
-            if admitted.done():
-                self.admission.popleft()
-            elif self._place(request):
-                self.admission.popleft()
-                admitted.set_result(None)
-            else:
-                return
+    def _end(self, request: InflightRequest, event: object | None = None) -> None:
+        """The request is over inside pdserve: its reservations go back at once, whether or not the
+        front has taken its last events (a client that stops reading holds no KV room)."""
+        request.stage = Stage.DONE
+        for worker in (request.prefill, request.decode):
+            Admission.release(worker, request)
+        if event is not None:
+            request.events.put_nowait(event)
+        self.admission.admit_waiting()
+
+    def _fail(self, request: InflightRequest, code: ErrorCode, message: str) -> None:
+        if request.ended():
+            return
+        self._abort_on_workers(request)
+        self._end(request, ErrorEvent(code, message))
+
+    def _abort_on_workers(self, request: InflightRequest) -> None:
+        holder = {Stage.PREFILL: request.prefill, Stage.DECODE: request.decode}.get(request.stage)
+        if holder is not None and self.registry.workers.get(holder.worker_id) is holder:
+            self._send(holder, Abort(request.request_id))
 
     # ---- the socket ----
 
     def _send(self, worker: Worker, message: object) -> None:
-        self._socket.send_multipart([worker.identity, wire.encode(message)])
+        try:
+            self._sender.send_multipart([worker.identity, wire.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is gone (ROUTER_MANDATORY)
+            log.warning("worker unreachable", worker=worker.worker_id, kind=type(message).__name__, error=str(exc))
+            self._unreachable.add(worker)
+
+    def _reply(self, peer: Peer, message: object) -> None:
+        """To a connection that is no registered worker; if it is gone, nothing is lost."""
+        try:
+            self._sender.send_multipart([peer.identity, wire.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _drop_unreachable(self) -> None:
+        while self._unreachable:
+            worker = self._unreachable.pop()
+            if self.registry.workers.get(worker.worker_id) is worker:
+                self._drop_worker(worker, f"worker {worker.worker_id} is unreachable")
 
     async def _receive_loop(self) -> None:
         while True:
-            frames = await self._socket.recv_multipart()
+            frames = await self._socket.recv_multipart(copy=False)
             if len(frames) != 2:
                 log.warning("dropped frame with unexpected envelope", parts=len(frames))
                 continue
-            identity, payload = frames
+            identity, payload = frames[0].bytes, frames[1].bytes
             try:
                 message = wire.decode(payload)
             except wire.WireError as exc:
                 log.warning("dropped malformed frame", error=str(exc), size=len(payload), peer=identity[:64])
                 continue
-            handler = self.handlers.get(type(message))
-            if handler is None:
-                log.warning("dropped unexpected message", kind=type(message).__name__, peer=identity[:64])
-                continue
-            try:
-                handler(identity, message)
-            except Exception:
-                log.exception("handler failed", kind=type(message).__name__)
+            user_id = self._user_id(frames[1])
+            worker = self.registry.by_identity(identity)
+            if worker is not None and worker.user_id != user_id:
+                worker = None  # a connection that no longer speaks with the key it registered with
+            self.dispatch(message, Peer(identity, user_id, worker))
+            self._drop_unreachable()
+
+    def _user_id(self, frame: zmq.Frame) -> str | None:
+        """The CURVE key the frame came with (the ZAP User-Id); None on ipc://, which has no keys."""
+        if self._security is None:
+            return None
+        return frame.get("User-Id")
 
     async def _liveness_loop(self) -> None:
-        timeout = self.config.router.heartbeat_timeout_s
+        period = min(0.25, self.settings.heartbeat_timeout_s / 4)
         while True:
-            await asyncio.sleep(timeout / 4)
+            await asyncio.sleep(period)
+            timeout = self.settings.heartbeat_timeout_s
             for worker in self.registry.silent_since(timeout):
                 self._drop_worker(worker, f"worker {worker.worker_id} missed heartbeats for {timeout} s")
+            self._expire_stages(time.monotonic())
+            self._drop_unreachable()
 
-    # ---- handlers ----
+    def _expire_stages(self, now: float) -> None:
+        for request in list(self.requests.values()):
+            if not request.ended() and now > request.deadline:
+                self._fail(request, ErrorCode.UNAVAILABLE, f"the request's {request.stage.value} stage timed out")
+        for request_id, handoff in list(self.handoffs.items()):
+            if now - handoff.since > self.settings.handoff_timeout_s:
+                log.warning("handoff not pulled in time: releasing the prefill's pages", request_id=request_id)
+                self._release_handoff(request_id)
 
-    def _known(self, identity: bytes, worker_id: str) -> Worker | None:
-        worker = self.registry.workers.get(worker_id)
-        return worker if worker is not None and worker.identity == identity else None
+    # ---- handlers: each takes the sending Peer and the message ----
 
-    def _on_register(self, identity: bytes, message: Register) -> None:
-        if message.page_size != self.page_size:
-            log.error("refused worker with another page size", worker=message.worker_id, page_size=message.page_size)
+    def _on_register(self, peer: Peer, message: Register) -> None:
+        reason = self._refusal(peer, message)
+        if reason:
+            log.error("refused worker", worker=message.worker_id, role=message.role, reason=reason)
+            self._reply(peer, Refused(reason))
             return
-        if (message.role == Role.PREFILL) != (message.pool is not None):
-            log.error("refused registration: only a prefill exports a pool", worker=message.worker_id)
+        worker, replaced = self.registry.register(peer.identity, peer.user_id, message)
+        self._send(worker, Registered(self.epoch))  # before any task that the drops below may place on it
+        if replaced is worker:
             return
-        worker, replaced = self.registry.register(identity, message)
+        if peer.worker is not None and peer.worker is not replaced:  # this connection re-registers as another id
+            self._drop_worker(peer.worker, f"worker {peer.worker.worker_id} registered again as {message.worker_id}")
         if replaced is not None:
-            self._drop_worker(replaced, f"worker {replaced.worker_id} restarted", remove=False)
+            self._drop_worker(replaced, f"worker {replaced.worker_id} registered again", remove=False)
         metrics.watch_pages(worker.worker_id, worker.role, worker.total_pages, lambda: worker.free_pages,
                             lambda: worker.reserved_pages)
-        self._send(worker, Registered(self.started_at))
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
                 self._send(decode, PoolAvailable(worker.worker_id, message.pool))
@@ -280,98 +253,140 @@ class TokenRouter:
             for prefill in self.registry.of_role(Role.PREFILL):
                 self._send(worker, PoolAvailable(prefill.worker_id, prefill.pool))
         log.info("worker registered", worker=worker.worker_id, role=worker.role, pid=worker.pid,
-                 pages=worker.total_pages)
+                 incarnation=worker.incarnation, pages=worker.total_pages)
         self._on_workers_changed(self.serving())
-        self._admit_waiting()
+        self.admission.admit_waiting()
 
-    def _on_deregister(self, identity: bytes, message: Deregister) -> None:
-        worker = self._known(identity, message.worker_id)
-        if worker is not None:
-            self._drop_worker(worker, f"worker {worker.worker_id} stopped")
+    def _refusal(self, peer: Peer, message: Register) -> str:
+        """Why this worker may not join, or "" if it may."""
+        if message.protocol_version != PROTOCOL_VERSION:
+            return (f"protocol version {message.protocol_version}, but this router speaks {PROTOCOL_VERSION}: "
+                    "run the same pdserve release everywhere")
+        if message.page_size != self.config.kv.page_size:
+            return f"KV page size {message.page_size}, but this router's kv.page_size is {self.config.kv.page_size}"
+        if (message.role == Role.PREFILL) != (message.pool is not None):
+            return "only a prefill exports a KV pool, and every prefill does"
+        if self._security is not None and not self._security.permits(peer.user_id, message.worker_id, message.role):
+            return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"
+        return ""
 
-    def _on_heartbeat(self, identity: bytes, message: Heartbeat) -> None:
-        if self._known(identity, message.worker_id) is None:
-            self._socket.send_multipart([identity, wire.encode(Reregister())])
+    def _on_deregister(self, peer: Peer, message: Deregister) -> None:
+        if peer.worker is not None and peer.worker.worker_id == message.worker_id:
+            self._drop_worker(peer.worker, f"worker {message.worker_id} stopped")
+
+    def _on_heartbeat(self, peer: Peer, message: Heartbeat) -> None:
+        worker = peer.worker
+        if worker is None or worker.worker_id != message.worker_id:
+            self._reply(peer, Reregister())
             return
-        self.registry.heartbeat(message)
+        if message.router_epoch != self.epoch:
+            return  # sent before its Registered from this router arrived
+        self.registry.heartbeat(worker, message)
+        if message.stalled_s > self.settings.progress_timeout_s:
+            self._drop_worker(worker, f"worker {worker.worker_id}'s main loop made no progress for "
+                                      f"{message.stalled_s:.1f} s (router.progress_timeout_s)")
+            return
+        owed = {request_id for request_id, h in self.handoffs.items() if h.prefill_id == worker.worker_id}
+        for request_id in message.holding:
+            if request_id not in worker.reservations and request_id not in owed:
+                log.warning("worker holds a request the router does not know: aborting it", worker=worker.worker_id,
+                            request_id=request_id)
+                self._send(worker, Abort(request_id))
 
-    def _on_kv_ready(self, identity: bytes, message: KvReady) -> None:
+    def _on_kv_ready(self, peer: Peer, message: KvReady) -> None:
+        prefill = peer.worker
+        if prefill is None or prefill.role != Role.PREFILL or prefill.worker_id != message.prefill_worker_id:
+            log.warning("dropped KvReady from a peer that is not that prefill", request_id=message.request_id)
+            return
         request = self.requests.get(message.request_id)
-        prefill = self._known(identity, message.prefill_worker_id)
-        if request is None or request.stage != Stage.PREFILL or prefill is not request.prefill:
-            if prefill is not None:  # the request ended meanwhile: its KV is no longer wanted
-                self._send(prefill, ReleaseKv(message.request_id))
+        if request is None or request.stage != Stage.PREFILL or request.prefill is not prefill:
+            self._send(prefill, ReleaseKv(message.request_id))  # the request ended meanwhile
             return
-        request.timings.update(prefill_queue_s=message.queued_s, prefill_compute_s=message.compute_s,
-                               ttft_s=time.perf_counter() - request.submitted_at)
-        metrics.observe(metrics.REQUEST_QUEUE_TIME, request.timings.get("admission_s", 0.0) + message.queued_s)
-        request.kv_ready_at = message.ready_at
-        request.events.put_nowait(TokenEvent(message.first_token_id, message.finish_reason))
+        timings = request.timings
+        timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
+        timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
+        metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + message.queued_s)
+        request.clock.kv_ready_at = message.ready_at
         if message.finish_reason is not None:
-            request.stage = Stage.DONE
             self._send(prefill, ReleaseKv(request.request_id))
+            self._end(request, TokenEvent(message.first_token_id, message.finish_reason))
             return
-        request.stage = Stage.DECODE
-        self.handoffs[request.request_id] = (prefill.worker_id, request.decode.worker_id)
+        request.events.put_nowait(TokenEvent(message.first_token_id, None))
+        request.enter(Stage.DECODE, self.settings.handoff_timeout_s)
+        self.handoffs[request.request_id] = Handoff(prefill.worker_id, request.decode.worker_id, time.monotonic())
         job = request.job
         self._send(request.decode, DecodeTask(request.request_id, prefill.worker_id, message.page_ids,
                                               message.num_tokens, message.first_token_id, job.sampling, job.stop))
 
-    def _on_kv_pulled(self, identity: bytes, message: KvPulled) -> None:
+    def _on_kv_pulled(self, peer: Peer, message: KvPulled) -> None:
+        handoff = self.handoffs.get(message.request_id)
+        if handoff is None or peer.worker is None or peer.worker.worker_id != handoff.decode_id:
+            return  # already released, or not that handoff's decode speaking
         self._release_handoff(message.request_id)
         request = self.requests.get(message.request_id)
-        if request is not None and request.prefill is not None:
-            request.timings["kv_pull_s"] = message.pull_s
-            request.pulled_at = message.pulled_at
+        if request is not None and request.decode is peer.worker:
+            request.clock.pulled_at = message.pulled_at
             metrics.observe(metrics.KV_PULL, message.pull_s)
-            request.prefill.reserved_pages -= request.prefill_pages
-            request.prefill.requests.discard(request.request_id)
-            request.prefill_pages = 0
-            self._admit_waiting()
+            if Admission.release(request.prefill, request):
+                self.admission.admit_waiting()
 
     def _release_handoff(self, request_id: str) -> None:
-        entry = self.handoffs.pop(request_id, None)
-        if entry is not None and entry[0] in self.registry.workers:
-            self._send(self.registry.workers[entry[0]], ReleaseKv(request_id))
+        handoff = self.handoffs.pop(request_id, None)
+        prefill = self.registry.workers.get(handoff.prefill_id) if handoff is not None else None
+        if prefill is not None:
+            self._send(prefill, ReleaseKv(request_id))
 
-    def _on_token_batch(self, identity: bytes, message: TokenBatch) -> None:
+    def _on_token_batch(self, peer: Peer, message: TokenBatch) -> None:
+        decode = peer.worker
+        if decode is None or decode.role != Role.DECODE:
+            return
+        now = time.monotonic()
         for token in message.tokens:
             request = self.requests.get(token.request_id)
-            if request is None or request.stage != Stage.DECODE:
+            if request is None or request.decode is not decode or request.stage != Stage.DECODE:
+                if token.finish_reason is None:
+                    self._send(decode, Abort(token.request_id))  # decoding what nobody waits for
                 continue
-            if not request.first_step_started_at:  # its first decode step
-                request.first_step_started_at, request.first_step_received_at = message.step_started_at, time.time()
-                request.timings["handoff_s"] = message.step_started_at - request.kv_ready_at
-                metrics.observe(metrics.KV_HANDOFF, request.timings["handoff_s"])
+            clock = request.clock
+            if not clock.first_step_started_at:  # its first decode step
+                clock.first_step_started_at, clock.first_step_received_at = message.step_started_at, time.time()
+                metrics.observe(metrics.KV_HANDOFF, message.step_started_at - clock.kv_ready_at)
+            event = TokenEvent(token.token_id, token.finish_reason)
             if token.finish_reason is not None:
-                request.stage = Stage.DONE
-            request.events.put_nowait(TokenEvent(token.token_id, token.finish_reason))
+                self._end(request, event)
+            else:
+                request.deadline = now + self.settings.decode_token_timeout_s
+                request.events.put_nowait(event)
 
-    def _on_failed(self, identity: bytes, message: Failed) -> None:
-        self._release_handoff(message.request_id)  # a decode that failed will never pull it
+    def _on_failed(self, peer: Peer, message: Failed) -> None:
+        sender = peer.worker
+        if sender is None:
+            return
+        handoff = self.handoffs.get(message.request_id)
+        if handoff is not None and handoff.decode_id == sender.worker_id:
+            self._release_handoff(message.request_id)  # a decode that failed will never pull it
         request = self.requests.get(message.request_id)
-        if request is not None and request.stage != Stage.DONE:
-            self._fail(request, message.code, message.message)
-
-    def _fail(self, request: InflightRequest, code: ErrorCode, message: str) -> None:
-        request.events.put_nowait(ErrorEvent(code, message))
+        holder = {Stage.PREFILL: request.prefill, Stage.DECODE: request.decode}.get(request.stage) if request else None
+        if holder is sender:
+            self._end(request, ErrorEvent(message.code, message.message))
 
     def _drop_worker(self, worker: Worker, reason: str, remove: bool = True) -> None:
-        log.warning("dropping worker", worker=worker.worker_id, reason=reason, requests=len(worker.requests))
+        log.warning("dropping worker", worker=worker.worker_id, reason=reason, requests=len(worker.reservations))
         if remove:
-            self.registry.remove(worker.worker_id)
+            self.registry.remove(worker)
         metrics.forget_pages(worker.worker_id, worker.role)  # a replacement registers its own right after
-        for request_id in list(worker.requests):
+        for request_id in list(worker.reservations):
             request = self.requests.get(request_id)
             if request is not None:
-                self._fail(request, ErrorCode.UNAVAILABLE, reason)
-        worker.requests.clear()
-        for request_id, (prefill_id, decode_id) in list(self.handoffs.items()):
-            if worker.worker_id == decode_id:
+                self._fail(request, ErrorCode.UNAVAILABLE, reason)  # aborts it on its other worker
+        worker.reservations.clear()
+        for request_id, handoff in list(self.handoffs.items()):
+            if handoff.decode_id == worker.worker_id:
                 self._release_handoff(request_id)
-            elif worker.worker_id == prefill_id:
+            elif handoff.prefill_id == worker.worker_id:
                 del self.handoffs[request_id]
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
                 self._send(decode, PoolGone(worker.worker_id))
         self._on_workers_changed(self.serving())
+        self.admission.admit_waiting()

@@ -68,9 +68,8 @@ def _prompt_bytes(request) -> int:
     return 4 * len(request.prompt_token_ids)
 
 
-def check_request_shape(request, max_prompt_bytes: int = RouterConfig.max_prompt_bytes) -> None:
-    """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing.
-    max_prompt_bytes is router.max_prompt_bytes (its default when not given)."""
+def check_request_shape(request, limits: ModelLimits) -> None:
+    """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     given = [name for name, present in (
@@ -83,8 +82,8 @@ def check_request_shape(request, max_prompt_bytes: int = RouterConfig.max_prompt
     if len(given) > 1:
         raise InvalidRequest(f"give exactly one input, got {' and '.join(given)}")
     size = _prompt_bytes(request)
-    if size > max_prompt_bytes:
-        raise InvalidRequest(f"{given[0]}: {size} bytes, above router.max_prompt_bytes ({max_prompt_bytes}); "
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest(f"{given[0]}: {size} bytes, above router.max_prompt_bytes ({limits.max_prompt_bytes}); "
                              "text counts in UTF-8 bytes, a prompt token id as 4")
     if request.HasField("prompt") and not request.prompt:
         raise InvalidRequest("prompt is empty")
@@ -108,7 +107,7 @@ def tokenize(request, tokenizer) -> list[int]:
 
 
 def build_job(request, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
-    check_request_shape(request, limits.max_prompt_bytes)
+    check_request_shape(request, limits)
     if not prompt_token_ids:
         raise InvalidRequest("the prompt tokenizes to no tokens")
     bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)

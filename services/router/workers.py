@@ -1,4 +1,4 @@
-"""The router's view of its workers: who is alive, how much KV room each has promised away."""
+"""The router's view of its workers: who is alive, and how much KV room each has promised away."""
 
 from __future__ import annotations
 
@@ -8,20 +8,30 @@ from dataclasses import dataclass, field
 from shared.messages import Heartbeat, KvPoolHandle, Register, Role
 
 
-@dataclass
+@dataclass(eq=False)
 class Worker:
     worker_id: str
     role: Role
-    identity: bytes           # the ZeroMQ routing id of its DEALER socket
+    identity: bytes           # the ZeroMQ routing id of its connection, learnt at registration
+    user_id: str | None       # the CURVE key it connected with (ZAP User-Id); None on ipc://
+    incarnation: str          # random per process start
     pid: int
     total_pages: int
     pool: KvPoolHandle | None
     last_seen: float = field(default_factory=time.monotonic)
-    reserved_pages: int = 0   # promised to requests in flight; never exceeds total_pages
+    # Pages promised to each request in flight, by request id: the prompt's on a prefill until
+    # the decode has pulled them, prompt + max_tokens on a decode until it ends the request. The
+    # requests that fail if this worker dies are exactly these.
+    reservations: dict[str, int] = field(default_factory=dict)
     free_pages: int = 0       # as the worker last reported
     running: int = 0
     waiting: int = 0
-    requests: set[str] = field(default_factory=set)
+    stalled_s: float = 0.0    # its main loop's time since it last came round, as last reported
+
+    @property
+    def reserved_pages(self) -> int:
+        """Derived from the reservations, never counted apart, so it cannot drift from them."""
+        return sum(self.reservations.values())
 
     @property
     def room(self) -> int:
@@ -32,26 +42,30 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, Worker] = {}
 
-    def register(self, identity: bytes, message: Register) -> tuple[Worker, Worker | None]:
-        """Returns the new record and the record it replaces (a restarted worker), if any."""
+    def register(self, identity: bytes, user_id: str | None, message: Register) -> tuple[Worker, Worker | None]:
+        """Returns the worker's record and the record it replaces, if any: a new process, or one
+        that registers again because the router forgot it, and so holds nothing it was given. A
+        Register repeated on the same connection by the same process (an answer was slow) keeps
+        the record as it is."""
         old = self.workers.get(message.worker_id)
-        if old is not None and old.pid == message.pid and old.identity == identity:
-            old.last_seen = time.monotonic()
-            return old, None
-        worker = Worker(message.worker_id, message.role, identity, message.pid, message.total_pages,
-                        message.pool, free_pages=message.total_pages)
+        if old is not None and old.incarnation == message.incarnation and old.identity == identity:
+            return old, old
+        worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
+                        message.total_pages, message.pool, free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         return worker, old
 
-    def heartbeat(self, message: Heartbeat) -> Worker | None:
-        worker = self.workers.get(message.worker_id)
-        if worker is not None:
-            worker.last_seen = time.monotonic()
-            worker.free_pages, worker.running, worker.waiting = message.free_pages, message.running, message.waiting
-        return worker
+    def by_identity(self, identity: bytes) -> Worker | None:
+        return next((w for w in self.workers.values() if w.identity == identity), None)
 
-    def remove(self, worker_id: str) -> Worker | None:
-        return self.workers.pop(worker_id, None)
+    def heartbeat(self, worker: Worker, message: Heartbeat) -> None:
+        worker.last_seen = time.monotonic()
+        worker.free_pages, worker.running, worker.waiting = message.free_pages, message.running, message.waiting
+        worker.stalled_s = message.stalled_s
+
+    def remove(self, worker: Worker) -> None:
+        if self.workers.get(worker.worker_id) is worker:
+            del self.workers[worker.worker_id]
 
     def silent_since(self, timeout_s: float) -> list[Worker]:
         deadline = time.monotonic() - timeout_s
@@ -62,7 +76,7 @@ class WorkerRegistry:
 
     def pick(self, role: Role, pages: int) -> Worker | None:
         """The worker of that role with the most unpromised room, if it can take `pages`."""
-        best = max(self.of_role(role), key=lambda w: (w.room, -len(w.requests)), default=None)
+        best = max(self.of_role(role), key=lambda w: (w.room, -len(w.reservations)), default=None)
         return best if best is not None and best.room >= pages else None
 
     def largest_pool(self, role: Role) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -143,18 +144,21 @@ class PagedLlama:
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int],
-                chunk_tokens: int = 0) -> torch.Tensor:
+                chunk_tokens: int = 0, after_chunk: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs one prompt, writes its KV into page_ids, returns the last position's logits [V].
 
         With chunk_tokens > 0 the prompt goes through in chunks of that many tokens, so
         activation memory stays bounded for long prompts; each chunk attends to the earlier
-        chunks' K/V read back from the pages.
+        chunks' K/V read back from the pages. after_chunk runs once each chunk is issued (the
+        worker's liveness: a long prompt is progress, chunk by chunk).
         """
         chunk = chunk_tokens if chunk_tokens > 0 else len(token_ids)
         ids = torch.tensor(token_ids, device=self.device)
         pages = torch.tensor(page_ids, device=self.device)
         for start in range(0, len(token_ids), chunk):
             x = self._prefill_chunk(ids[start:start + chunk], start, pool, pages)
+            if after_chunk is not None:
+                after_chunk()
         return self._logits(x[-1:])[0]
 
     def _prefill_chunk(self, ids: torch.Tensor, start: int, pool: PagedKvPool, pages: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""The loop every worker runs, prefill and decode alike; each supplies its handlers and its step.
+
+    link.start()            register with the router (a handshake: Registered or Refused)
+    loop until stopped:     ping the watchdog, tell the link the loop came round, run the
+                            handlers of what arrived (waiting receive_timeout_s() at most), step()
+    on the way out:         fail what it still holds (Failed, so callers hear it at once),
+                            deregister, close()
+
+A worker subclass provides: `role`, its handlers, load() (what its heartbeat reports),
+receive_timeout_s(), step(), forget_all() (drop every request without a word: the router has
+forgotten them), fail_all(reason) and close().
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import secrets
+from typing import Callable
+
+import structlog
+import torch
+
+from shared.device import on_stream
+from shared.dispatch import Dispatcher
+from shared.messages import PROTOCOL_VERSION, KvPoolHandle, Register, Role
+from shared.router_link import RouterLink, WorkerLoad
+from shared.worker_main import Worker
+
+log = structlog.get_logger()
+
+
+class WorkerLoop(abc.ABC):
+    role: Role
+
+    def __init__(self, worker: Worker, worker_id: str, total_pages: int, page_size: int,
+                 pool: KvPoolHandle | None, handlers: dict[type, Callable[[object], None]],
+                 stream: torch.cuda.Stream | None):
+        self.worker_id = worker_id
+        self.stopping = worker.stopping
+        self.notify = worker.notify
+        self.stream = stream
+        registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
+                                total_pages, page_size, pool)
+        self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
+                               worker.config.worker)
+        self.dispatch = Dispatcher(handlers)
+
+    def run(self) -> None:
+        self.link.start()
+        self.notify.ready()
+        log.info(f"{self.role} worker serving")
+        try:
+            with on_stream(self.stream):
+                while not self.stopping.is_set():
+                    self.notify.watchdog()
+                    self.link.made_progress()
+                    self.link.dispatch(self.dispatch, self.receive_timeout_s())
+                    self.step()
+        finally:
+            self.notify.stopping()
+            self.fail_all(f"{self.role} worker is shutting down")
+            self.link.close()
+            self.close()
+            log.info(f"{self.role} worker stopped")
+
+    @abc.abstractmethod
+    def load(self) -> WorkerLoad: ...
+
+    @abc.abstractmethod
+    def receive_timeout_s(self) -> float:
+        """How long the loop may wait for messages before its next step."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """The worker's compute between two rounds of messages; may do nothing."""
+
+    @abc.abstractmethod
+    def forget_all(self) -> None:
+        """Drops every request and frees their pages, telling no one: the router forgot them."""
+
+    @abc.abstractmethod
+    def fail_all(self, reason: str) -> None:
+        """Sends Failed for every request held and frees their pages."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases what the worker owns (its exported pool, its mappings), after deregistering."""

@@ -1,0 +1,286 @@
+"""The control plane under what a new user meets: ids reused, a router killed, clients that stop
+reading, stuck or unreachable workers, lost frames, workers that should not join, forged messages.
+
+Real processes and sockets throughout; where a test needs a worker to misbehave on purpose, it
+speaks the wire protocol itself (tests/protocol_peer.py) to the real router.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+from shared import wire
+from shared.messages import (EXIT_REFUSED, Abort, DecodeTask, ErrorCode, Failed, FinishReason, KvPulled, KvReady,
+                             PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch, TokenOut)
+from tests.conftest import CACHE_DIR
+from tests.protocol_peer import ProtocolPeer
+from tests.stack import ServiceStack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+FAST_HEARTBEATS = {"PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S": "1.5", "PDSERVE_WORKER_HEARTBEAT_INTERVAL_S": "0.25"}
+LONG_PROMPT = [1000 + i % 5000 for i in range(3000)]  # keeps the prefill's core busy for seconds
+
+
+def _greedy(prompt: str | None = None, max_tokens: int = 16, label: str = "", ignore_eos: bool = True,
+            token_ids: list[int] | None = None) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(request_id=label, max_tokens=max_tokens, temperature=0,
+                                             ignore_eos=ignore_eos)
+    if token_ids is not None:
+        request.prompt_token_ids.extend(token_ids)
+    else:
+        request.prompt = prompt
+    return request
+
+
+def _token_ids(stub, request, timeout: float = 120.0) -> list[int]:
+    return [t for chunk in stub.Generate(request, timeout=timeout) for t in chunk.token_ids]
+
+
+def _outcome(stub, request, timeout: float = 120.0) -> object:
+    """The number of tokens a call streamed, or the status code it ended with."""
+    try:
+        return len(_token_ids(stub, request, timeout))
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+# ---- request identity: the client's request_id is a label, not a key ----
+
+def test_calls_that_share_a_request_id_each_get_their_own_tokens(stack):
+    prompts = ["Name three colors.", "What is two plus two?", "Write a haiku about rain.", "Count to five."]
+    alone = [_token_ids(stack.stub, _greedy(p)) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: list(stack.stub.Generate(_greedy(p, label="same-id"), timeout=120)),
+                                 prompts))
+    for chunks, expected in zip(together, alone):
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert {c.request_id for c in chunks} == {"same-id"}, "the client's label comes back as it was sent"
+    stack.assert_pools_drained()
+
+
+def test_an_id_reused_right_after_a_cancel_leaves_the_new_call_whole(stack):
+    for _ in range(3):
+        first = stack.stub.Generate(_greedy("Count slowly:", 2000, label="reused"), timeout=60)
+        next(first)
+        first.cancel()
+        assert len(_token_ids(stack.stub, _greedy("Hello", 8, label="reused"), timeout=60)) == 8
+    stack.assert_pools_drained()
+
+
+# ---- a router that dies ----
+
+def test_a_router_killed_under_load_leaves_nothing_held_and_serving_resumes(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, **FAST_HEARTBEATS) as stack:
+        requests = [_greedy("Count slowly:", 2000)] * 3 + [_greedy(token_ids=LONG_PROMPT, max_tokens=4)] * 2
+        with ThreadPoolExecutor(len(requests)) as pool:
+            outcomes = [pool.submit(_outcome, stack.stub, r, 60) for r in requests]
+            time.sleep(3.0)  # the long ones stream, the long prompts queue at the prefill
+            stack.signal("router", signal.SIGKILL)
+            ended = [o.result(timeout=30) for o in outcomes]
+        assert all(o == grpc.StatusCode.UNAVAILABLE for o in ended), ended
+        stack.processes["router"].wait(timeout=10)
+        stack.start("router")
+        stack.wait_serving()
+        # The workers met a router of another epoch: they dropped the old requests and their pages,
+        # though the old ones had 2,000 tokens to go and the prefill still held KV for its decode.
+        stack.assert_pools_drained(timeout_s=15)
+        assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+        stack.assert_pools_drained()
+
+
+# ---- a client that stops reading ----
+
+STALLED_LABEL = "x" * 256  # in every chunk: an unread call fills its HTTP/2 window within ~200 tokens
+
+
+def _unread_call(stack, max_tokens: int):
+    """A call whose client reads nothing until told; no BDP probing, so its window stays 64 KiB."""
+    channel = grpc.insecure_channel(stack.address, options=[("grpc.http2.bdp_probe", 0)])
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(
+        _greedy("Tell me a long story.", max_tokens, label=STALLED_LABEL), timeout=600)
+    return channel, call
+
+
+def _finished_labels(stack) -> list[str]:
+    lines = [json.loads(line) for line in stack.log_path("router").read_text().splitlines() if line.startswith("{")]
+    return [line.get("label") for line in lines if line.get("event") == "request finished"]
+
+
+def test_a_stalled_stream_holds_no_kv_room_once_the_decode_is_done(checkpoint, tmp_path):
+    """Decode room for one request: the second is admitted as soon as the decode has finished the
+    first, while the first's stream still waits for its client to read."""
+    settings = {"PDSERVE_KV_DECODE_PAGES": "40", "PDSERVE_ROUTER_STALL_TIMEOUT_S": "600",
+                "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "300"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
+        channel, unread = _unread_call(stack, 500)
+        try:
+            time.sleep(1.0)
+            assert len(_token_ids(stack.stub, _greedy("Hi", 500), timeout=600)) == 500
+            assert STALLED_LABEL not in _finished_labels(stack), "the first stream was not stalled: no test"
+            assert sum(len(c.token_ids) for c in unread) == 500, "the unread call still gets every token"
+        finally:
+            channel.close()
+        stack.assert_pools_drained()
+
+
+def test_a_stream_not_read_for_the_stall_timeout_is_cancelled(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_ROUTER_STALL_TIMEOUT_S="2") as stack:
+        channel, unread = _unread_call(stack, 1500)
+        try:
+            deadline = time.monotonic() + 300
+            while STALLED_LABEL not in _finished_labels(stack):  # the router let go of it
+                assert time.monotonic() < deadline, "the stalled stream was never cancelled"
+                time.sleep(0.5)
+            stack.assert_pools_drained()
+            with pytest.raises(grpc.RpcError) as error:
+                for _ in unread:  # what was sent before the stall, then the status
+                    pass
+            assert error.value.code() == grpc.StatusCode.CANCELLED
+            assert "router.stall_timeout_s" in error.value.details()
+        finally:
+            channel.close()
+        assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+
+
+# ---- liveness by progress, unreachable workers, stage timeouts ----
+
+def test_a_worker_whose_loop_makes_no_progress_is_dropped_though_it_beats(checkpoint, tmp_path):
+    """A prompt that keeps the prefill's main loop away for longer than progress_timeout_s: its
+    heartbeat thread still beats, but the router drops it, fails the request, and takes it back
+    once it has come round and registered again."""
+    settings = {**FAST_HEARTBEATS, "PDSERVE_ROUTER_PROGRESS_TIMEOUT_S": "1"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
+        started = time.monotonic()
+        assert _outcome(stack.stub, _greedy(token_ids=LONG_PROMPT, max_tokens=2)) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 30
+        assert "made no progress" in stack.log_path("router").read_text()
+        stack.wait_serving()
+        assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+        stack.assert_pools_drained()
+
+
+def test_a_request_sent_to_a_vanished_worker_fails_at_once(checkpoint, tmp_path):
+    """ROUTER_MANDATORY: a task for a prefill whose process is gone fails now, not after the
+    (here 30 s) heartbeat timeout."""
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S="30") as stack:
+        stack.signal("prefill", signal.SIGKILL)
+        stack.processes["prefill"].wait(timeout=10)
+        time.sleep(0.5)  # the connection's end reaches the router's socket
+        started = time.monotonic()
+        assert _outcome(stack.stub, _greedy("Hello", 3), timeout=60) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 5
+        assert not [w for w in stack.workers() if w.role == "prefill"]
+        stack.start("prefill")
+        stack.wait_serving()
+        assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+
+
+def test_a_request_past_its_stage_timeout_ends_unavailable_and_frees_its_pages(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_ROUTER_PREFILL_TIMEOUT_S="1") as stack:
+        with pytest.raises(grpc.RpcError) as error:
+            _token_ids(stack.stub, _greedy(token_ids=LONG_PROMPT, max_tokens=2))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill stage timed out" in error.value.details()
+        stack.assert_pools_drained(timeout_s=60)  # the prefill finishes the prompt, then frees it
+        assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+
+
+# ---- registration as a handshake ----
+
+def test_a_worker_the_router_refuses_exits_and_is_never_listed(stack, tmp_path):
+    """A prefill of another page size joins the running stack: refused once, it exits EXIT_REFUSED
+    instead of registering again forever."""
+    misfit = ServiceStack(tmp_path, CACHE_DIR, services=("prefill",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env[
+        "PDSERVE_ROUTER_RUNTIME_DIR"], PDSERVE_PREFILL_WORKER_ID="prefill-misfit", PDSERVE_KV_PAGE_SIZE="32")
+    try:
+        misfit.start("prefill")
+        assert misfit.processes["prefill"].wait(timeout=120) == EXIT_REFUSED
+        assert "page size 32" in misfit.log_path("prefill").read_text()
+        assert "prefill-misfit" not in {w.worker_id for w in stack.workers()}
+    finally:
+        misfit.stop()
+
+
+def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoint, tmp_path):
+    stack = ServiceStack(tmp_path, CACHE_DIR, services=("prefill",), PDSERVE_WORKER_REGISTER_TIMEOUT_S="2")
+    try:
+        stack.start("prefill")
+        assert stack.processes["prefill"].wait(timeout=120) == 1
+        assert "no answer to Register" in stack.log_path("prefill").read_text()
+    finally:
+        stack.stop()
+
+
+# ---- protocol peers against the real router: who may say what ----
+
+@pytest.fixture()
+def router_and_peers(checkpoint, tmp_path):
+    """The real router alone, with a prefill, a decode and a small second decode played by peers."""
+    stack = ServiceStack(tmp_path, CACHE_DIR, services=("router",), PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S="120")
+    endpoint = f"ipc://{tmp_path}/run/router.ipc"
+    peers = {"prefill": ProtocolPeer(endpoint, "prefill-0", Role.PREFILL, total_pages=64),
+             "decode": ProtocolPeer(endpoint, "decode-0", Role.DECODE, total_pages=256),
+             "other": ProtocolPeer(endpoint, "decode-1", Role.DECODE, total_pages=4)}
+    for peer in peers.values():
+        peer.register()  # queued until the router binds
+    try:
+        with stack:
+            for peer in peers.values():
+                peer.epoch = peer.receive(Registered).router_epoch
+            yield stack, peers
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+def test_messages_about_a_request_count_only_from_its_own_workers(router_and_peers):
+    stack, peers = router_and_peers
+    prefill, decode, other = peers["prefill"], peers["decode"], peers["other"]
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 3), timeout=60)))
+        task = prefill.receive(PrefillTask)
+        rid = task.request_id
+        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None,
+                             0.0, 0.0, time.time()))
+        assert decode.receive(DecodeTask).request_id == rid
+        # Forgeries: the other decode, and the prefill speaking as a decode.
+        other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)], time.time()))
+        other.send(Failed(rid, ErrorCode.INTERNAL, "forged"))
+        other.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
+        prefill.send(TokenBatch([TokenOut(rid, 777, FinishReason.STOP)], time.time()))
+        with pytest.raises(TimeoutError):
+            prefill.receive(ReleaseKv, timeout_s=1.0)  # the forged KvPulled freed nothing
+        decode.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
+        assert prefill.receive(ReleaseKv).request_id == rid
+        decode.send(TokenBatch([TokenOut(rid, 43, None)], time.time()))
+        decode.send(TokenBatch([TokenOut(rid, 44, FinishReason.LENGTH)], time.time()))
+        chunks = call.result(timeout=30)
+    assert [t for c in chunks for t in c.token_ids] == [42, 43, 44]
+    assert chunks[-1].finish_reason == "length"
+    assert all(w.reserved_pages == 0 for w in stack.workers())
+
+
+def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_peers):
+    _, peers = router_and_peers
+    peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])
+    assert peers["decode"].receive(Abort).request_id == "a-request-the-router-never-made"
+
+
+def test_a_worker_of_another_protocol_version_is_refused_with_the_reason(router_and_peers):
+    stack, _ = router_and_peers
+    endpoint = f"ipc://{stack.workdir}/run/router.ipc"
+    old = ProtocolPeer(endpoint, "prefill-old", Role.PREFILL)
+    try:
+        old.register(protocol_version=1)
+        assert "protocol version 1" in old.receive(Refused).reason
+        assert "prefill-old" not in {w.worker_id for w in stack.workers()}
+    finally:
+        old.close()
