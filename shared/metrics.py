@@ -59,7 +59,8 @@ KV_PULL = Histogram(
 REQUEST_SUCCESS = Counter(
     "pdserve:request_success_total", "Finished requests.", ["finished_reason"], registry=None)
 REQUEST_FAILURE = Counter(
-    "pdserve:request_failure_total", "Failed requests, by the gRPC status the client got.", ["code"], registry=None)
+    "pdserve:request_failure_total", "Failed requests, by gRPC status (an HTTP error: the one it stands for).",
+    ["code"], registry=None)
 NUM_REQUESTS_RUNNING = Gauge(
     "pdserve:num_requests_running", "Router: requests placed on workers. Worker: those it holds.", registry=None)
 NUM_REQUESTS_WAITING = Gauge(
@@ -148,22 +149,23 @@ def forget_pages(worker_id: str, role: Role) -> None:
         gauge.remove(worker_id, role)
 
 
-_worker_loads: list[Callable[[], WorkerLoad]] = []  # services.colocated runs two workers
-
-
 @_never_raises
-def watch_worker(worker_id: str, role: Role, total_pages: int, load: Callable[[], WorkerLoad]) -> None:
-    """A worker's own gauges, read from what its heartbeat reports: the same numbers the router is
-    told. The unlabelled load gauges add up every worker of this process."""
-    watch_pages(worker_id, role, total_pages, lambda: load().free_pages)
-    _worker_loads.append(load)
-    watch_load(lambda: sum(w().running for w in _worker_loads), lambda: sum(w().waiting for w in _worker_loads))
+def watch_workers(loads: list[Callable[[], WorkerLoad]]) -> None:
+    """The unlabelled load gauges of a worker process: the sum over the workers it runs (two in
+    services.colocated), read from what their heartbeats report, the numbers the router is told."""
+    watch_load(lambda: sum(load().running for load in loads), lambda: sum(load().waiting for load in loads))
 
 
 class RequestTimer:
-    """One gRPC stream's latencies, and its outcome, which is counted exactly once."""
+    """One request's latencies, and its outcome, which is counted exactly once: gRPC streams and
+    HTTP requests alike (services/router/frontend.py counts both), under gRPC's status names.
 
-    def __init__(self) -> None:
+    time_remaining: seconds until the client's deadline, None for none (grpc.aio's
+    ServicerContext.time_remaining); it tells a deadline from a cancel. HTTP carries no deadline.
+    """
+
+    def __init__(self, time_remaining: Callable[[], float | None] = lambda: None) -> None:
+        self.time_remaining = time_remaining
         self.arrived = time.perf_counter()
         self.first_at: float | None = None
         self.last_at = 0.0
@@ -196,9 +198,9 @@ class RequestTimer:
             REQUEST_FAILURE.labels(code).inc()
 
     @_never_raises
-    def cancelled(self, context) -> None:
-        """The stream was cancelled under us (context: the grpc.aio one): by the client, or its deadline."""
-        remaining = context.time_remaining()  # None: no deadline
+    def cancelled(self) -> None:
+        """The request was cancelled under us: by the client, or its deadline."""
+        remaining = self.time_remaining()
         self.failed("DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED")
 
     def _count(self) -> bool:

@@ -39,6 +39,7 @@ from shared.zmq_security import secure_client
 log = structlog.get_logger()
 
 REGISTER_RESEND_S = 2.0  # a Register lost with a router that died before answering is sent again
+STARTING_POLL_S = 0.1  # while registering, how often a stop signal is looked at
 
 
 @dataclass(frozen=True)
@@ -87,19 +88,23 @@ class RouterLink:
         self._closing = threading.Event()
         self._beater = threading.Thread(target=self._beat_while_open, name="heartbeat", daemon=True)
 
-    def start(self) -> None:
-        """Connects and registers; raises RegistrationRefused or RegistrationTimeout."""
+    def start(self, stopping: threading.Event) -> bool:
+        """Connects and registers: True once registered, False if stopping was set first; raises
+        RegistrationRefused or RegistrationTimeout."""
         self._socket.connect(self._endpoint)
         deadline = time.monotonic() + self._settings.register_timeout_s
         with self._lock:
             self._register()
         while not self._epoch:
+            if stopping.is_set():
+                return False
             if time.monotonic() >= deadline:
                 raise RegistrationTimeout(f"no answer to Register from {self._endpoint} within "
                                           f"{self._settings.register_timeout_s} s")
             # What came right behind Registered (PoolAvailable, tasks) waits for the first dispatch.
-            self._received += self.receive(min(REGISTER_RESEND_S, deadline - time.monotonic()))
+            self._received += self.receive(min(STARTING_POLL_S, deadline - time.monotonic()))
         self._beater.start()
+        return True
 
     def send(self, message: object) -> None:
         frame = wire.encode(message)

@@ -1,6 +1,7 @@
 """The loop every worker runs, prefill and decode alike; each supplies its handlers and its step.
 
-    link.start()            register with the router (a handshake: Registered or Refused)
+    link.start()            register with the router (a handshake: Registered or Refused; a stop
+                            signal meanwhile ends it)
     loop until stopped:     ping the watchdog, tell the link the loop came round, run the
                             handlers of what arrived (waiting receive_timeout_s() at most), step()
     on the way out:         fail what it still holds (Failed, so callers hear it at once),
@@ -47,16 +48,16 @@ class WorkerLoop(abc.ABC):
         self.dispatch = Dispatcher(handlers)
 
     def run(self) -> None:
-        self.link.start()
-        self.notify.ready()
-        log.info(f"{self.role} worker serving")
         try:
-            with on_stream(self.stream):
-                while not self.stopping.is_set():
-                    self.notify.watchdog()
-                    self.link.made_progress()
-                    self.link.dispatch(self.dispatch, self.receive_timeout_s())
-                    self.step()
+            if self.link.start(self.stopping):
+                self.notify.ready()
+                log.info(f"{self.role} worker serving")
+                with on_stream(self.stream):
+                    while not self.stopping.is_set():
+                        self.notify.watchdog()
+                        self.link.made_progress()
+                        self.link.dispatch(self.dispatch, self.receive_timeout_s())
+                        self.step()
         finally:
             self.notify.stopping()
             self.fail_all(f"{self.role} worker is shutting down")

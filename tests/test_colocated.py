@@ -26,7 +26,8 @@ from shared import metrics
 from shared.config import parse_cores
 from shared.kv_pool import make_layout
 from shared.kv_share import SameProcessMapping, export_pool, map_pool
-from shared.messages import Heartbeat, Role
+from shared.messages import EXIT_REFUSED
+from shared.router_link import RegistrationRefused, WorkerLoad
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
 from tests.test_e2e_generation import _assert_matches_reference, _cases, _generate, _prompt_ids, _reference, _request
@@ -86,14 +87,24 @@ def test_one_crashed_loop_stops_the_others_and_fails_the_process():
     def crashing() -> None:
         raise RuntimeError("boom")
 
-    assert run_together({"decode": serving, "prefill": crashing}, stopping) is False
+    assert run_together({"decode": serving, "prefill": crashing}, stopping) == 1
     assert ended == ["serving"] and stopping.is_set()
+
+
+def test_a_refused_loop_exits_the_process_with_the_refusal_code():
+    """A worker the router refused must not be restarted into the same refusal (EXIT_REFUSED)."""
+    stopping = threading.Event()
+
+    def refused() -> None:
+        raise RegistrationRefused("refused by the router: protocol version 1")
+
+    assert run_together({"decode": stopping.wait, "prefill": refused}, stopping) == EXIT_REFUSED
 
 
 def test_loops_stopped_by_the_signal_end_cleanly():
     stopping = threading.Event()
     threading.Timer(0.1, stopping.set).start()  # as SIGTERM's handler does
-    assert run_together({"decode": stopping.wait, "prefill": stopping.wait}, stopping) is True
+    assert run_together({"decode": stopping.wait, "prefill": stopping.wait}, stopping) == 0
 
 
 def test_a_pool_exported_by_this_process_maps_to_the_exporters_own_pool():
@@ -109,10 +120,8 @@ def test_a_pool_exported_by_this_process_maps_to_the_exporters_own_pool():
         map_pool(exported.handle, "cpu")
 
 
-def test_load_gauges_add_up_the_workers_of_one_process(monkeypatch):
-    monkeypatch.setattr(metrics, "_worker_heartbeats", [])
-    metrics.watch_worker(Role.PREFILL, 8, lambda: Heartbeat("prefill-t", 8, 2, 3))
-    metrics.watch_worker(Role.DECODE, 8, lambda: Heartbeat("decode-t", 8, 5, 1))
+def test_load_gauges_add_up_the_workers_of_one_process():
+    metrics.watch_workers([lambda: WorkerLoad(8, 2, 3, []), lambda: WorkerLoad(8, 5, 1, [])])
     assert metrics.NUM_REQUESTS_RUNNING.collect()[0].samples[0].value == 7
     assert metrics.NUM_REQUESTS_WAITING.collect()[0].samples[0].value == 4
 

@@ -19,10 +19,12 @@ STOP = m.StopParams(max_tokens=128, ignore_eos=True)
 
 # One instance per message type; where a type has an optional field, both None and set appear.
 SAMPLES = [
-    m.Register("prefill-0", m.Role.PREFILL, 4242, 1024, 16, HANDLE),
-    m.Register("decode-0", m.Role.DECODE, 4243, 2048, 16, None),
-    m.Registered(router_started_at=1_715_000_000.25),
-    m.Heartbeat("decode-0", free_pages=2000, running=3, waiting=0),
+    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLE),
+    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, None),
+    m.Registered(router_epoch="9f8e7d"),
+    m.Refused("protocol version 1, but this router speaks 2"),
+    m.Heartbeat("decode-0", "9f8e7d", free_pages=2000, running=3, waiting=0, stalled_s=0.25,
+                holding=["4bd3a0c1", "77e0"]),
     m.Reregister(),
     m.Deregister("decode-0"),
     m.PoolAvailable("prefill-0", HANDLE),
@@ -69,8 +71,8 @@ def test_round_trip_restores_enum_and_nested_types():
 
 
 def test_int_on_the_wire_for_a_float_field_becomes_a_float():
-    decoded = wire.decode(msgpack.packb([int(m.MsgKind.REGISTERED), 5]))
-    assert decoded == m.Registered(5.0) and type(decoded.router_started_at) is float
+    decoded = wire.decode(_frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 5, []))
+    assert decoded == m.Heartbeat("decode-0", "e", 1, 0, 0, 5.0, []) and type(decoded.stalled_s) is float
 
 
 def _frame(*items) -> bytes:
@@ -85,31 +87,32 @@ STOP_RAW = [16, False]
 BAD_FRAMES = {
     "garbage bytes": b"\xc1\xc1\xc1 not msgpack",
     "truncated array": b"\x93\x03",
-    "trailing bytes": _frame(HEARTBEAT, "decode-0", 1, 0, 0) + b"\x00",
+    "trailing bytes": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, []) + b"\x00",
     "empty frame": b"",
     "not a list": msgpack.packb({"kind": HEARTBEAT}),
     "a bare int": msgpack.packb(HEARTBEAT),
     "empty list": _frame(),
-    "kind is a string": _frame("HEARTBEAT", "decode-0", 1, 0, 0),
+    "kind is a string": _frame("HEARTBEAT", "decode-0", "e", 1, 0, 0, 0.0, []),
     "kind is a bool": _frame(True),
-    "unknown kind": _frame(99, "decode-0", 1, 0, 0),
-    "too few fields": _frame(HEARTBEAT, "decode-0", 1, 0),
-    "too many fields": _frame(HEARTBEAT, "decode-0", 1, 0, 0, 0),
-    "bool for int": _frame(HEARTBEAT, "decode-0", True, 0, 0),
-    "float for int": _frame(HEARTBEAT, "decode-0", 1.0, 0, 0),
-    "int for str": _frame(HEARTBEAT, 7, 1, 0, 0),
-    "str for float": _frame(int(m.MsgKind.REGISTERED), "now"),
-    "bool for float": _frame(int(m.MsgKind.REGISTERED), True),
+    "unknown kind": _frame(99, "decode-0", "e", 1, 0, 0, 0.0, []),
+    "too few fields": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0),
+    "too many fields": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, [], 0),
+    "bool for int": _frame(HEARTBEAT, "decode-0", "e", True, 0, 0, 0.0, []),
+    "float for int": _frame(HEARTBEAT, "decode-0", "e", 1.0, 0, 0, 0.0, []),
+    "int for str": _frame(HEARTBEAT, 7, "e", 1, 0, 0, 0.0, []),
+    "str for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, "now", []),
+    "bool for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, True, []),
     "str for int list": _frame(PREFILL_TASK, "r", "1 2 3", SAMPLING_RAW, STOP_RAW, 2.5),
     "str inside int list": _frame(PREFILL_TASK, "r", [1, "2"], SAMPLING_RAW, STOP_RAW, 2.5),
     "bool inside int list": _frame(PREFILL_TASK, "r", [1, True], SAMPLING_RAW, STOP_RAW, 2.5),
     "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], [0.7, 0.9, 40], STOP_RAW, 2.5),
     "nested struct as map": _frame(PREFILL_TASK, "r", [1], {"temperature": 0.7}, STOP_RAW, 2.5),
     "bool field given int": _frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, [16, 0], 2.5),
-    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 1, 1, 16, None),
+    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, None),
     "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0.0, 0.0),
     "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
-    "None for required field": _frame(HEARTBEAT, None, 1, 0, 0),
+    "None for required field": _frame(HEARTBEAT, None, "e", 1, 0, 0, 0.0, []),
+    "int inside str list": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, ["r", 7]),
     "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5], 2.5),
     "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]], 2.5),
     "str for bytes": _frame(int(m.MsgKind.POOL_AVAILABLE), "p",
@@ -165,7 +168,8 @@ def test_bad_frame_is_a_wire_error(frame):
 
 def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
     """The bad frames above differ from valid ones only in the flaw they name."""
-    assert wire.decode(_frame(HEARTBEAT, "decode-0", 1, 0, 0)) == m.Heartbeat("decode-0", 1, 0, 0)
+    assert wire.decode(_frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, [])) == m.Heartbeat(
+        "decode-0", "e", 1, 0, 0, 0.0, [])
     assert wire.decode(_frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, STOP_RAW, 2.5)) == m.PrefillTask(
         "r", [1], m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False), 2.5)
     assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5)) == m.TokenBatch(

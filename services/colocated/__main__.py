@@ -21,6 +21,7 @@ from services.colocated.notify import JointNotify
 from services.colocated.threads import run_together
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
+from shared import metrics
 from shared.config import parse_service_config
 from shared.log import configure_logging
 from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_event_on_signals
@@ -45,12 +46,12 @@ def main() -> None:
     # The decode first: the prefill's constructor exports its pool, which only its run() closes.
     decode = DecodeWorker(Worker(config, model, finish, stopping, notify.member("decode")))
     prefill = PrefillWorker(Worker(config, model, finish, stopping, notify.member("prefill")), colocated=True)
+    metrics.watch_workers([prefill.load, decode.load])
     if model.device.type == "cuda":  # the workers' own streams do not wait for the default one they were built on
         torch.cuda.synchronize(model.device)
     loops = {"prefill": in_own_thread(config.prefill.worker_id, config.prefill.cpu_cores, "lower", prefill.run),
              "decode": in_own_thread(config.decode.worker_id, config.decode.cpu_cores, "upper", decode.run)}
-    if not run_together(loops, stopping):
-        sys.exit(1)
+    sys.exit(run_together(loops, stopping))
 
 
 def in_own_thread(worker_id: str, cores: str, half: str, run: Callable[[], None]) -> Callable[[], None]:

@@ -11,19 +11,25 @@ from typing import Callable
 
 import structlog
 
+from shared.dispatch import FatalError
+
 log = structlog.get_logger()
 
 
-def run_together(loops: dict[str, Callable[[], None]], stopping: threading.Event) -> bool:
-    """Runs each loop in a thread of that name until all have ended; True if none crashed."""
-    crashed: list[str] = []
+def run_together(loops: dict[str, Callable[[], None]], stopping: threading.Event) -> int:
+    """Runs each loop in a thread of that name until all have ended; returns the process's exit
+    code: 0 if none crashed, a FatalError's own code (a refused worker's), else 1."""
+    exit_codes: list[int] = []
 
     def run(name: str, loop: Callable[[], None]) -> None:
         try:
             loop()
+        except FatalError as exc:
+            log.error("worker thread stopped", thread=name, reason=str(exc), exit_code=exc.exit_code)
+            exit_codes.append(exc.exit_code)
         except Exception:
             log.exception("worker thread crashed", thread=name)
-            crashed.append(name)
+            exit_codes.append(1)
         finally:
             stopping.set()
 
@@ -32,4 +38,4 @@ def run_together(loops: dict[str, Callable[[], None]], stopping: threading.Event
         thread.start()
     for thread in threads:
         thread.join()
-    return not crashed
+    return exit_codes[0] if exit_codes else 0

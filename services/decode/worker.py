@@ -95,7 +95,7 @@ class DecodeWorker(WorkerLoop):
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, None,
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream)
-        metrics.watch_worker(self.worker_id, Role.DECODE, self.allocator.num_pages, self.load)
+        metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
         metrics.serve(config.decode.metrics_address, metrics.WORKER, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
                  stream_priority=stream.priority if stream is not None else None)

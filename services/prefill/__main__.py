@@ -1,12 +1,15 @@
 """python -m services.prefill: the prefill worker (prompt forward pass, first token, KV export)."""
 
 from services.prefill.worker import PrefillWorker
+from shared import metrics
 from shared.messages import Role
 from shared.worker_main import exit_on_error, start_worker
 
 
 def main() -> None:
-    PrefillWorker(start_worker(Role.PREFILL)).run()
+    worker = PrefillWorker(start_worker(Role.PREFILL))
+    metrics.watch_workers([worker.load])
+    worker.run()
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class PrefillWorker(WorkerLoop):
         if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             publish_weights(model, self.weights_path)
-        metrics.watch_worker(self.worker_id, Role.PREFILL, self.allocator.num_pages, self.load)
+        metrics.watch_pages(self.worker_id, Role.PREFILL, self.allocator.num_pages, lambda: self.load().free_pages)
         if not colocated:
             metrics.serve(config.prefill.metrics_address, metrics.WORKER, config.model.device)
 
