@@ -44,8 +44,8 @@ def _positive(**extra):
     return field(metadata=_check(lambda v: v > 0, "must be positive"), **extra)
 
 
-def _metrics_address(default: str):
-    """Where a service serves Prometheus metrics over HTTP, "host:port"; empty: not served."""
+def _http_address(default: str):
+    """Where a service serves HTTP (Prometheus metrics, the OpenAI API), "host:port"; empty: not served."""
     return field(default=default, metadata=_check(
         lambda v: not v or (v.rpartition(":")[0] != "" and v.rpartition(":")[2].isdigit()
                             and int(v.rpartition(":")[2]) <= 65535), "must be host:port, or empty"))
@@ -67,7 +67,13 @@ class ModelConfig:
 @dataclass
 class RouterConfig:
     grpc_address: str = "127.0.0.1:50051"
-    metrics_address: str = _metrics_address("127.0.0.1:9400")
+    # The OpenAI-compatible HTTP API (services/router/openai_api.py), with the same TLS and bearer
+    # token as gRPC.
+    http_address: str = _http_address("127.0.0.1:8000")
+    # The model's name in the OpenAI API: /v1/models lists it and requests must name it. Empty:
+    # model.path as configured ("embedded"), as vLLM names a model after its --model.
+    served_model_name: str = ""
+    metrics_address: str = _http_address("127.0.0.1:9400")
     # ZeroMQ endpoint the workers connect to; empty means ipc://<runtime_dir>/router.ipc.
     zmq_address: str = ""
     runtime_dir: str = field(default_factory=default_runtime_dir)
@@ -124,10 +130,22 @@ class RouterConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """The router's choice of workers (services/router/routing.py states the costs)."""
+    # A decode's cost is its requests in flight plus this times the share of its pages promised
+    # away: 4 means a decode whose pool is all promised counts like one with four more requests.
+    decode_kv_weight: float = field(default=4.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+
+
+@dataclass
 class KvConfig:
     page_size: int = _positive(default=16)  # tokens per page
     prefill_pages: int = _positive(default=1024)
     decode_pages: int = _positive(default=2048)
+    # A decode fails a request whose KV transfer has not finished within this long (one it does
+    # not order on its own stream, as a NIXL read); below router.handoff_timeout_s, so the decode's
+    # reason reaches the client rather than the router's stage timeout.
+    transfer_timeout_s: float = _positive(default=30.0)
 
 
 @dataclass
@@ -135,6 +153,9 @@ class WorkerConfig:
     heartbeat_interval_s: float = _positive(default=0.5)
     # A worker whose Register gets neither Registered nor Refused within this long exits 1.
     register_timeout_s: float = _positive(default=60.0)
+    # A draining worker (SIGTERM, `pdserve drain`) finishes what it holds for at most this long,
+    # then fails the rest with UNAVAILABLE and exits; the systemd units' TimeoutStopSec exceeds it.
+    drain_timeout_s: float = _positive(default=60.0)
     # Required on a tcp:// router.zmq_address: this worker's zmq.auth secret-key certificate, and
     # the router's public-key certificate (router.key), so the worker talks only to that router.
     zmq_secret_key_file: str = ""
@@ -149,7 +170,7 @@ class PrefillConfig:
     # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
     chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
     # Unused by services.colocated, whose one endpoint is decode.metrics_address.
-    metrics_address: str = _metrics_address("127.0.0.1:9401")
+    metrics_address: str = _http_address("127.0.0.1:9401")
 
 
 @dataclass
@@ -175,7 +196,7 @@ class DecodeConfig:
     idle_spin_s: float = field(default=0.0, metadata=_check(lambda v: v >= 0, "must be >= 0"))
     # Also services.colocated's one endpoint: Prometheus' registry is per process, so a second
     # endpoint for its prefill would serve the same series again.
-    metrics_address: str = _metrics_address("127.0.0.1:9402")
+    metrics_address: str = _http_address("127.0.0.1:9402")
 
     def graph_batch_sizes(self) -> list[int]:
         return [int(p) for p in self.cuda_graph_batch_sizes.split(",") if p.strip()]
@@ -184,6 +205,19 @@ class DecodeConfig:
 @dataclass
 class SamplingDefaults:
     max_tokens: int = _positive(default=256)
+
+
+@dataclass
+class StackConfig:
+    """What `python -m services.stack` starts on this node (services/stack/topology.py); each
+    field also has a short flag there: --prefill, --decode, --devices."""
+    prefill: int = field(default=1, metadata={**_check(lambda v: v > 0, "must be positive"), "flag": "--prefill"})
+    decode: int = field(default=1, metadata={**_check(lambda v: v > 0, "must be positive"), "flag": "--decode"})
+    # The GPU of each worker, e.g. "prefill=0,1 decode=2,3": per role as many indices as workers,
+    # or one for all of them. Empty: one GPU per worker when model.device is "cuda" and there are
+    # enough, else every worker on model.device.
+    devices: str = field(default="", metadata={**_check(lambda v: parse_devices(v) is not None, "is not a device list"),
+                                               "flag": "--devices"})
 
 
 @dataclass
@@ -199,12 +233,14 @@ class LogConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     kv: KvConfig = field(default_factory=KvConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     log: LogConfig = field(default_factory=LogConfig)
+    stack: StackConfig = field(default_factory=StackConfig)
 
     def validate(self) -> None:
         """What no single field can check on its own."""
@@ -212,6 +248,8 @@ class Config:
             raise ConfigError("router.heartbeat_timeout_s must exceed worker.heartbeat_interval_s")
         if bool(self.router.tls_cert_file) != bool(self.router.tls_key_file):
             raise ConfigError("router.tls_cert_file and router.tls_key_file go together: set both or neither")
+        if self.kv.transfer_timeout_s >= self.router.handoff_timeout_s:
+            raise ConfigError("kv.transfer_timeout_s must be below router.handoff_timeout_s")
         if self.router.auth_token_file and self.router.auth_token:
             raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
 
@@ -269,6 +307,26 @@ def _check_certificate(name: str, path: str, secret: bool) -> None:
         raise ConfigError(f"{name}: {path} holds only a public key; give the secret-key certificate (.key_secret)")
 
 
+def parse_devices(spec: str) -> dict[str, list[str]]:
+    """'prefill=0,1 decode=cuda:2' -> {"prefill": ["cuda:0", "cuda:1"], "decode": ["cuda:2"]}."""
+    devices: dict[str, list[str]] = {}
+    for group in spec.replace(";", " ").split():
+        role, _, indices = group.partition("=")
+        entries = [entry.strip().removeprefix("cuda:") for entry in indices.split(",")]
+        if role not in ("prefill", "decode") or role in devices or not all(entry.isdigit() for entry in entries):
+            raise ConfigError(f"bad device group {group!r} in {spec!r}: give role=N[,N...], role prefill or decode")
+        devices[role] = [f"cuda:{entry}" for entry in entries]
+    return devices
+
+
+def env_name(section: str, key: str) -> str:
+    return f"PDSERVE_{section}_{key}".upper()
+
+
+def flag_name(section: str, key: str) -> str:
+    return f"--{section}-{key}".replace("_", "-")
+
+
 def parse_cores(spec: str) -> list[int]:
     """'0-3,8' -> [0, 1, 2, 3, 8]."""
     cores: list[int] = []
@@ -320,7 +378,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (also PDSERVE_CONFIG)")
     for section, section_type in _sections():
         for f in dataclasses.fields(section_type):
-            parser.add_argument(f"--{section}-{f.name}".replace("_", "-"), dest=f"{section}.{f.name}",
+            flags = [flag_name(section, f.name), *([f.metadata["flag"]] if "flag" in f.metadata else [])]
+            parser.add_argument(*flags, dest=f"{section}.{f.name}",
                                 default=None, metavar=typing.get_type_hints(section_type)[f.name].__name__.upper())
 
 
@@ -346,8 +405,8 @@ def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[
         for name, f in fields.items():
             layers = [
                 (table.get(section, {}).get(name), f"{path}"),
-                (environ.get(f"PDSERVE_{section}_{name}".upper()), f"PDSERVE_{section}_{name}".upper()),
-                (getattr(args, f"{section}.{name}", None) if args else None, f"--{section}-{name}".replace("_", "-")),
+                (environ.get(env_name(section, name)), env_name(section, name)),
+                (getattr(args, f"{section}.{name}", None) if args else None, flag_name(section, name)),
             ]
             for raw, source in layers:
                 if raw is not None:

@@ -9,6 +9,9 @@ socket; workers never talk to each other. A request's journey:
     router --Abort--> worker        (client gone, stop string hit, or shutdown)
     worker --Failed--> router       (the request cannot go on)
 
+Draining a worker (SIGTERM, or the router's Drain): it sends Draining and takes no new work; once
+it holds nothing the router still owes it, the router sends Drained, and it deregisters and exits 0.
+
 Request ids on this wire are made by the router, unique per router incarnation; the client's own
 request_id is only a label (logs and responses). A worker registers with a handshake (Register ->
 Registered or Refused); the router's epoch in Registered tells it the router it serves, and a
@@ -67,6 +70,9 @@ class MsgKind(IntEnum):
     FAILED = 17
     DEREGISTER = 18
     REFUSED = 19
+    DRAIN = 20
+    DRAINING = 21
+    DRAINED = 22
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,22 @@ class Heartbeat:
 class Deregister:
     """The worker is stopping: fail what it holds now, without waiting for missed heartbeats."""
     worker_id: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Router to worker: drain (an operator's `pdserve drain`), as SIGTERM does."""
+
+
+@dataclass(frozen=True)
+class Draining:
+    """Worker to router: place nothing new here; what is here finishes."""
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Router to a draining worker: nothing of yours is in flight any more; you may go."""
 
 
 @dataclass(frozen=True)
@@ -259,4 +281,7 @@ MESSAGE_TYPES: dict[MsgKind, type] = {
     MsgKind.FAILED: Failed,
     MsgKind.DEREGISTER: Deregister,
     MsgKind.REFUSED: Refused,
+    MsgKind.DRAIN: Drain,
+    MsgKind.DRAINING: Draining,
+    MsgKind.DRAINED: Drained,
 }

@@ -72,10 +72,20 @@ KV_PAGES_FREE = Gauge(
 KV_PAGES_RESERVED = Gauge(
     "pdserve:kv_pages_reserved", "KV pages the router promised to requests in flight.", ["worker_id", "role"],
     registry=None)
+WORKER_PENDING_PROMPT_TOKENS = Gauge(
+    "pdserve:worker_pending_prompt_tokens", "Prompt tokens placed on a prefill and not prefilled yet.",
+    ["worker_id", "role"], registry=None)
+WORKER_ASSIGNED_REQUESTS = Gauge(
+    "pdserve:worker_assigned_requests", "Requests the router placed on a worker that it still holds.",
+    ["worker_id", "role"], registry=None)
+REQUEST_RETRIES = Counter(
+    "pdserve:request_retries_total", "Requests moved to another prefill after theirs failed before the first token.",
+    registry=None)
 
 ROUTER = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
           KV_HANDOFF, KV_PULL, REQUEST_SUCCESS, REQUEST_FAILURE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
-          KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED)
+          KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED, WORKER_PENDING_PROMPT_TOKENS, WORKER_ASSIGNED_REQUESTS,
+          REQUEST_RETRIES)
 WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE)
 
 # Each label value exported from the start at 0, so rate() sees a counter's first increment.
@@ -134,18 +144,28 @@ def watch_load(running: Callable[[], int], waiting: Callable[[], int]) -> None:
 
 
 @_never_raises
-def watch_pages(worker_id: str, role: Role, total_pages: int, free: Callable[[], int],
-                reserved: Callable[[], int] | None = None) -> None:
+def watch_pages(worker_id: str, role: Role, total_pages: int, free: Callable[[], int]) -> None:
+    """A worker's pool as the worker itself reports it."""
     KV_PAGES_USED.labels(worker_id, role).set_function(lambda: total_pages - free())
     KV_PAGES_FREE.labels(worker_id, role).set_function(free)
-    if reserved is not None:
-        KV_PAGES_RESERVED.labels(worker_id, role).set_function(reserved)
+
+
+@_never_raises
+def watch_routed(worker) -> None:
+    """A worker as the router sees it (services/router/workers.Worker): its pages as last reported,
+    what the router promised away, and the load that routing weighs."""
+    labels = (worker.worker_id, worker.role)
+    watch_pages(*labels, worker.total_pages, lambda: worker.free_pages)
+    KV_PAGES_RESERVED.labels(*labels).set_function(lambda: worker.reserved_pages)
+    WORKER_PENDING_PROMPT_TOKENS.labels(*labels).set_function(lambda: worker.pending_prompt_tokens)
+    WORKER_ASSIGNED_REQUESTS.labels(*labels).set_function(lambda: len(worker.reservations))
 
 
 @_never_raises
 def forget_pages(worker_id: str, role: Role) -> None:
     """A dropped worker's series go with it, rather than freezing at their last values."""
-    for gauge in (KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED):
+    for gauge in (KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED, WORKER_PENDING_PROMPT_TOKENS,
+                  WORKER_ASSIGNED_REQUESTS):
         gauge.remove(worker_id, role)
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import sdnotify
 import torch
@@ -37,12 +38,24 @@ def pin_to_cores(spec: str, half: str) -> list[int]:
     return cores
 
 
-def stop_event_on_signals() -> threading.Event:
-    """SIGTERM and SIGINT set the event; the service's loop drains and exits."""
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    return stopping
+@dataclass(frozen=True)
+class StopSignals:
+    """How a worker is told to stop. drain: SIGTERM (systemd's stop, a rolling restart) or the
+    router's Drain: take no new work, finish what it holds, then go. now: SIGINT, or SIGTERM a
+    second time: fail what it holds and go."""
+    drain: threading.Event
+    now: threading.Event
+
+
+def stop_signals() -> StopSignals:
+    stop = StopSignals(threading.Event(), threading.Event())
+
+    def on_sigterm(*_) -> None:
+        (stop.now if stop.drain.is_set() else stop.drain).set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, lambda *_: stop.now.set())
+    return stop
 
 
 def die_with_parent() -> None:

@@ -88,15 +88,15 @@ class RouterLink:
         self._closing = threading.Event()
         self._beater = threading.Thread(target=self._beat_while_open, name="heartbeat", daemon=True)
 
-    def start(self, stopping: threading.Event) -> bool:
-        """Connects and registers: True once registered, False if stopping was set first; raises
-        RegistrationRefused or RegistrationTimeout."""
+    def start(self, stopping: Callable[[], bool]) -> bool:
+        """Connects and registers: True once registered, False if stopping() came true first;
+        raises RegistrationRefused or RegistrationTimeout."""
         self._socket.connect(self._endpoint)
         deadline = time.monotonic() + self._settings.register_timeout_s
         with self._lock:
             self._register()
         while not self._epoch:
-            if stopping.is_set():
+            if stopping():
                 return False
             if time.monotonic() >= deadline:
                 raise RegistrationTimeout(f"no answer to Register from {self._endpoint} within "
@@ -110,6 +110,11 @@ class RouterLink:
         frame = wire.encode(message)
         with self._lock:
             self._socket.send(frame)
+
+    @property
+    def epoch(self) -> str:
+        """The router's epoch this worker is registered with; empty while registering."""
+        return self._epoch
 
     def made_progress(self) -> None:
         """The main loop came round (or finished a chunk of a long step)."""

@@ -4,6 +4,8 @@
                             signal meanwhile ends it)
     loop until stopped:     ping the watchdog, tell the link the loop came round, run the
                             handlers of what arrived (waiting receive_timeout_s() at most), step()
+    draining (SIGTERM, or the router's Drain): send Draining, go on until the router answers
+                            Drained (nothing of ours is in flight any more) or worker.drain_timeout_s
     on the way out:         fail what it still holds (Failed, so callers hear it at once),
                             deregister, close()
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import abc
 import os
 import secrets
+import time
 from typing import Callable
 
 import structlog
@@ -24,7 +27,7 @@ import torch
 
 from shared.device import on_stream
 from shared.dispatch import Dispatcher
-from shared.messages import PROTOCOL_VERSION, KvPoolHandle, Register, Role
+from shared.messages import PROTOCOL_VERSION, Drain, Drained, Draining, KvPoolHandle, Register, Role
 from shared.router_link import RouterLink, WorkerLoad
 from shared.worker_main import Worker
 
@@ -38,22 +41,26 @@ class WorkerLoop(abc.ABC):
                  pool: KvPoolHandle | None, handlers: dict[type, Callable[[object], None]],
                  stream: torch.cuda.Stream | None):
         self.worker_id = worker_id
-        self.stopping = worker.stopping
+        self.stop = worker.stop
+        self.drain_timeout_s = worker.config.worker.drain_timeout_s
+        self.drain_deadline: float | None = None  # set once draining
+        self.draining_told = ""  # the router epoch that heard our Draining: a new router must hear it too
+        self.drained = False
         self.notify = worker.notify
         self.stream = stream
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
                                 total_pages, page_size, pool)
         self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
                                worker.config.worker)
-        self.dispatch = Dispatcher(handlers)
+        self.dispatch = Dispatcher({**handlers, Drain: self._on_drain, Drained: self._on_drained})
 
     def run(self) -> None:
         try:
-            if self.link.start(self.stopping):
+            if self.link.start(lambda: self.stop.now.is_set() or self.stop.drain.is_set()):
                 self.notify.ready()
                 log.info(f"{self.role} worker serving")
                 with on_stream(self.stream):
-                    while not self.stopping.is_set():
+                    while not self._done():
                         self.notify.watchdog()
                         self.link.made_progress()
                         self.link.dispatch(self.dispatch, self.receive_timeout_s())
@@ -64,6 +71,25 @@ class WorkerLoop(abc.ABC):
             self.link.close()
             self.close()
             log.info(f"{self.role} worker stopped")
+
+    def _done(self) -> bool:
+        if self.stop.now.is_set():
+            return True
+        if not self.stop.drain.is_set():
+            return False
+        if self.drain_deadline is None:
+            log.info(f"{self.role} worker draining", timeout_s=self.drain_timeout_s)
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        if self.link.epoch and self.link.epoch != self.draining_told:
+            self.link.send(Draining(self.worker_id))
+            self.draining_told = self.link.epoch
+        return self.drained or time.monotonic() > self.drain_deadline
+
+    def _on_drain(self, message: Drain) -> None:
+        self.stop.drain.set()
+
+    def _on_drained(self, message: Drained) -> None:
+        self.drained = self.drain_deadline is not None
 
     @abc.abstractmethod
     def load(self) -> WorkerLoad: ...

@@ -7,19 +7,19 @@ colocated one (both workers in one process) reuses `load_model`.
 from __future__ import annotations
 
 import sys
-import threading
 from dataclasses import dataclass
 
 import structlog
 
 from shared.config import Config, parse_service_config
+from shared.device import select_device
 from shared.dispatch import FatalError
 from shared.log import configure_logging
 from shared.messages import Role
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.weight_share import map_weights, weights_file
-from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_event_on_signals
+from shared.process import StopSignals, SystemdNotify, die_with_parent, pin_to_cores, stop_signals
 from shared.sampling import FinishCheck
 
 log = structlog.get_logger()
@@ -32,7 +32,7 @@ class Worker:
     config: Config
     model: PagedLlama
     finish: FinishCheck
-    stopping: threading.Event
+    stop: StopSignals
     notify: SystemdNotify
 
 
@@ -42,16 +42,18 @@ def start_worker(role: Role) -> Worker:
     config = parse_service_config(role.value)
     section = getattr(config, role.value)
     configure_logging(role.value, section.worker_id, config.log.format, config.log.level)
-    stopping = stop_event_on_signals()
+    stop = stop_signals()
     cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
     model, finish = load_model(config, getattr(section, "weights_from", ""))
     log.info("model ready", cores=cores)
-    return Worker(config, model, finish, stopping, SystemdNotify())
+    return Worker(config, model, finish, stop, SystemdNotify())
 
 
 def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck]:
     """The model, loaded from its checkpoint or mapped from the weights prefill `weights_from`
     publishes, and the check that ends its requests."""
+    # "cuda" resolved to "cuda:N" and made current before anything touches a GPU (shared/device.py).
+    config.model.device = str(select_device(config.model.device))
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
     if weights_from:

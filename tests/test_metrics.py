@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from pdserve.v1 import generation_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.router.workers import Worker
 from shared import metrics
 from shared.config import ConfigError, load_config
 from shared.messages import FinishReason, Role
@@ -80,22 +80,28 @@ def test_request_timer_counts_one_outcome_and_never_raises(registry):
     metrics.RequestTimer().succeeded("not a finish reason", "not a count")  # a caller's bug: logged, not raised
     for remaining, code in ((0.0, "DEADLINE_EXCEEDED"), (None, "CANCELLED"), (30.0, "CANCELLED")):
         count = sample("request_failure_total", code=code)
-        metrics.RequestTimer().cancelled(SimpleNamespace(time_remaining=lambda: remaining))
+        metrics.RequestTimer(lambda: remaining).cancelled()
         assert sample("request_failure_total", code=code) == count + 1, (remaining, code)
 
 
-def test_page_gauges_read_live_values_and_go_with_their_worker(registry):
-    free, reserved = [7], [2]
-    metrics.watch_pages("decode-t", Role.DECODE, 10, lambda: free[0], lambda: reserved[0])
+def test_routed_worker_gauges_read_live_values_and_go_with_their_worker(registry):
+    worker = Worker("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, pool=None, free_pages=7)
+    worker.reservations["r1"] = 2
+    metrics.watch_routed(worker)
     labels = {"worker_id": "decode-t", "role": "decode"}
     assert registry.get_sample_value("pdserve:kv_pages_used", labels) == 3
-    free[0], reserved[0] = 10, 0
+    assert registry.get_sample_value("pdserve:kv_pages_reserved", labels) == 2
+    assert registry.get_sample_value("pdserve:worker_assigned_requests", labels) == 1
+    worker.free_pages = 10
+    worker.reservations.clear()
+    worker.pending_tokens["r2"] = 300
     assert registry.get_sample_value("pdserve:kv_pages_used", labels) == 0
     assert registry.get_sample_value("pdserve:kv_pages_free", labels) == 10
     assert registry.get_sample_value("pdserve:kv_pages_reserved", labels) == 0
+    assert registry.get_sample_value("pdserve:worker_pending_prompt_tokens", labels) == 300
     metrics.forget_pages("decode-t", Role.DECODE)
-    assert registry.get_sample_value("pdserve:kv_pages_used", labels) is None
-    assert registry.get_sample_value("pdserve:kv_pages_reserved", labels) is None
+    for name in ("kv_pages_used", "kv_pages_reserved", "worker_pending_prompt_tokens", "worker_assigned_requests"):
+        assert registry.get_sample_value(f"pdserve:{name}", labels) is None
 
 
 def test_metrics_addresses_are_checked_and_empty_turns_them_off():

@@ -10,7 +10,8 @@ import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 
-def _generate(stub, args) -> int:
+def _generate(channel, args) -> int:
+    stub = generation_pb2_grpc.GenerationStub(channel)
     request = generation_pb2.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature,
                                              stop=args.stop, ignore_eos=args.ignore_eos)
     if args.raw:
@@ -31,11 +32,25 @@ def _generate(stub, args) -> int:
     return 0
 
 
-def _workers(stub, args) -> int:
+def _workers(channel, args) -> int:
+    stub = generation_pb2_grpc.GenerationStub(channel)
     workers = stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=args.timeout, metadata=args.metadata)
     for w in workers.workers:
         print(f"{w.worker_id:12} {w.role:8} pages free {w.free_pages}/{w.total_pages} reserved {w.reserved_pages} "
-              f"running {w.running_requests} waiting {w.waiting_requests}")
+              f"running {w.running_requests} waiting {w.waiting_requests} pending prompt tokens "
+              f"{w.pending_prompt_tokens}{' draining' if w.draining else ''}")
+    return 0
+
+
+def _drain(channel, args) -> int:
+    stub = generation_pb2_grpc.AdminStub(channel)
+    try:
+        stub.Drain(generation_pb2.DrainRequest(worker_id=args.worker_id), timeout=args.timeout,
+                   metadata=args.metadata)
+    except grpc.RpcError as exc:
+        print(f"pdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.worker_id} is draining: it finishes what it holds, then exits")
     return 0
 
 
@@ -55,6 +70,8 @@ def main() -> int:
     generate.add_argument("--stop", action="append", default=[])
     generate.add_argument("--ignore-eos", action="store_true")
     commands.add_parser("workers", help="list the registered workers and their KV pools")
+    drain = commands.add_parser("drain", help="make a worker take no new work, finish what it holds and exit")
+    drain.add_argument("worker_id")
     args = parser.parse_args()
     try:
         ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
@@ -65,8 +82,7 @@ def main() -> int:
     channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(ca)) if ca else \
         grpc.insecure_channel(args.address)
     with channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return (_generate if args.command == "generate" else _workers)(stub, args)
+        return {"generate": _generate, "workers": _workers, "drain": _drain}[args.command](channel, args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ always, each registered through its own RouterLink, but they share this process 
 the weights, and run their loops in two threads: the decode's kernels on the device's
 highest-priority stream, the prefill's on a normal one (shared/device.py; the current stream is
 per thread), long prompts in chunks of prefill.chunk_tokens. The KV handoff still copies each
-request's pages from the prefill's pool into the decode's; shared/kv_share.py maps a pool of
+request's pages from the prefill's pool into the decode's; shared/kv_transfer/local_exports.py maps a pool of
 this process without IPC. The process serves one metrics endpoint, at decode.metrics_address.
 """
 
@@ -24,7 +24,7 @@ from services.prefill.worker import PrefillWorker
 from shared import metrics
 from shared.config import parse_service_config
 from shared.log import configure_logging
-from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_event_on_signals
+from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_signals
 from shared.worker_main import Worker, exit_on_error, load_model
 
 log = structlog.get_logger()
@@ -39,19 +39,19 @@ def main() -> None:
     config = parse_service_config("colocated")
     worker_ids = f"{config.prefill.worker_id},{config.decode.worker_id}"
     configure_logging("colocated", worker_ids, config.log.format, config.log.level)
-    stopping = stop_event_on_signals()
+    stop = stop_signals()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model, finish = load_model(config)
     notify = JointNotify(SystemdNotify(), ("prefill", "decode"))
     # The decode first: the prefill's constructor exports its pool, which only its run() closes.
-    decode = DecodeWorker(Worker(config, model, finish, stopping, notify.member("decode")))
-    prefill = PrefillWorker(Worker(config, model, finish, stopping, notify.member("prefill")), colocated=True)
+    decode = DecodeWorker(Worker(config, model, finish, stop, notify.member("decode")))
+    prefill = PrefillWorker(Worker(config, model, finish, stop, notify.member("prefill")), colocated=True)
     metrics.watch_workers([prefill.load, decode.load])
     if model.device.type == "cuda":  # the workers' own streams do not wait for the default one they were built on
         torch.cuda.synchronize(model.device)
     loops = {"prefill": in_own_thread(config.prefill.worker_id, config.prefill.cpu_cores, "lower", prefill.run),
              "decode": in_own_thread(config.decode.worker_id, config.decode.cpu_cores, "upper", decode.run)}
-    sys.exit(run_together(loops, stopping))
+    sys.exit(run_together(loops, stop.now))
 
 
 def in_own_thread(worker_id: str, cores: str, half: str, run: Callable[[], None]) -> Callable[[], None]:

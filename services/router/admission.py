@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable
 
 from services.router.request import InflightRequest, RequestError
+from services.router.routing import RoutingPolicy
 from services.router.workers import Worker, WorkerRegistry
 from shared.config import RouterConfig
 from shared.kv_pool import decode_pages_needed, pages_for
@@ -24,10 +25,11 @@ from shared.messages import ErrorCode, Role
 
 
 class Admission:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, page_size: int,
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, config: RouterConfig, page_size: int,
                  on_placed: Callable[[InflightRequest], None]):
         """on_placed: called with each request the moment it has its workers and reservations."""
         self.registry = registry
+        self.policy = policy
         self.config = config
         self.page_size = page_size
         self.on_placed = on_placed
@@ -40,8 +42,8 @@ class Admission:
 
     async def admit(self, request: InflightRequest) -> None:
         """Returns once the request is placed; raises RequestError when it cannot be."""
-        if not self.registry.of_role(Role.PREFILL) or not self.registry.of_role(Role.DECODE):
-            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are registered yet")
+        if not self.registry.serving(Role.PREFILL) or not self.registry.serving(Role.DECODE):
+            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are serving")
         for role, pages in self.pages_needed(request).items():
             largest = self.registry.largest_pool(role)
             if pages > largest:
@@ -79,17 +81,38 @@ class Admission:
     @staticmethod
     def release(worker: Worker | None, request: InflightRequest) -> bool:
         """Gives the request's reservation on that worker back; False if it held none there."""
-        return worker is not None and worker.reservations.pop(request.request_id, None) is not None
+        if worker is None:
+            return False
+        worker.pending_tokens.pop(request.request_id, None)
+        return worker.reservations.pop(request.request_id, None) is not None
+
+    def replace_prefill(self, request: InflightRequest) -> bool:
+        """Moves a request that failed on its prefill, before its first token, to another one
+        with room now; False if there is none (its old reservation is released either way)."""
+        request.failed_on.add(request.prefill.worker_id)
+        self.release(request.prefill, request)
+        pages = self.pages_needed(request)[Role.PREFILL]
+        prefill = self.policy.pick_prefill(self.registry.serving(Role.PREFILL), request, pages)
+        if prefill is None:
+            return False
+        self._reserve_prefill(request, prefill, pages)
+        return True
 
     def _place(self, request: InflightRequest) -> bool:
         needed = self.pages_needed(request)
-        prefill = self.registry.pick(Role.PREFILL, needed[Role.PREFILL])
-        decode = self.registry.pick(Role.DECODE, needed[Role.DECODE])
+        prefill = self.policy.pick_prefill(self.registry.serving(Role.PREFILL), request, needed[Role.PREFILL])
+        decode = self.policy.pick_decode(self.registry.serving(Role.DECODE), request, needed[Role.DECODE])
         if prefill is None or decode is None:
             return False
-        request.prefill, request.decode = prefill, decode
-        prefill.reservations[request.request_id] = needed[Role.PREFILL]
+        self._reserve_prefill(request, prefill, needed[Role.PREFILL])
+        request.decode = decode
         decode.reservations[request.request_id] = needed[Role.DECODE]
         request.timings.router_queue_s = time.perf_counter() - request.submitted_at
         self.on_placed(request)
         return True
+
+    @staticmethod
+    def _reserve_prefill(request: InflightRequest, prefill: Worker, pages: int) -> None:
+        request.prefill = prefill
+        prefill.reservations[request.request_id] = pages
+        prefill.pending_tokens[request.request_id] = len(request.job.prompt_token_ids)

@@ -101,6 +101,7 @@ class InflightRequest:
     clock: HandoffClock = field(default_factory=HandoffClock)
     submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
     deadline: float = float("inf")  # time.monotonic() by which the current stage must move on
+    failed_on: set[str] = field(default_factory=set)  # prefills it failed on, before its first token
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -108,6 +109,10 @@ class InflightRequest:
     def enter(self, stage: Stage, timeout_s: float) -> None:
         self.stage = stage
         self.deadline = time.monotonic() + timeout_s
+
+    def holder(self) -> Worker | None:
+        """The worker that has the request in its current stage."""
+        return {Stage.PREFILL: self.prefill, Stage.DECODE: self.decode}.get(self.stage)
 
     def ended(self) -> bool:
         return self.stage == Stage.DONE

@@ -32,13 +32,14 @@ import zmq.asyncio
 
 from services.router.admission import Admission
 from services.router.request import ErrorEvent, InflightRequest, Stage, TokenEvent
+from services.router.routing import RoutingPolicy
 from services.router.workers import Worker, WorkerRegistry
 from shared import metrics, wire
 from shared.config import Config
 from shared.dispatch import Dispatcher
-from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, ErrorCode, Failed, Heartbeat, KvPulled,
-                             KvReady, PoolAvailable, PoolGone, PrefillTask, Refused, Register, Registered, ReleaseKv,
-                             Reregister, Role, TokenBatch)
+from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, Drain, Drained, Draining, ErrorCode,
+                             Failed, Heartbeat, KvPulled, KvReady, PoolAvailable, PoolGone, PrefillTask, Refused,
+                             Register, Registered, ReleaseKv, Reregister, Role, TokenBatch)
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
@@ -66,7 +67,8 @@ class TokenRouter:
         self.settings = config.router
         self.epoch = secrets.token_hex(8)
         self.registry = WorkerRegistry()
-        self.admission = Admission(self.registry, config.router, config.kv.page_size, self._start_prefill)
+        self.admission = Admission(self.registry, RoutingPolicy(config.routing), config.router, config.kv.page_size,
+                                   self._start_prefill)
         self.requests: dict[str, InflightRequest] = {}  # by the router's own request ids
         self.handoffs: dict[str, Handoff] = {}
         metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission.waiting))
@@ -87,7 +89,7 @@ class TokenRouter:
         self.dispatch = Dispatcher({
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
             KvPulled: self._on_kv_pulled, TokenBatch: self._on_token_batch, Failed: self._on_failed,
-            Deregister: self._on_deregister,
+            Deregister: self._on_deregister, Draining: self._on_draining,
         })
 
     async def start(self) -> None:
@@ -99,6 +101,8 @@ class TokenRouter:
     async def stop(self) -> None:
         for request in list(self.requests.values()):
             self._fail(request, ErrorCode.UNAVAILABLE, "router is shutting down")
+        for worker in self.registry.workers.values():  # a worker draining alongside may go now
+            self._send(worker, Drained())
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -108,7 +112,16 @@ class TokenRouter:
         self._context.term()
 
     def serving(self) -> bool:
-        return bool(self.registry.of_role(Role.PREFILL)) and bool(self.registry.of_role(Role.DECODE))
+        return bool(self.registry.serving(Role.PREFILL)) and bool(self.registry.serving(Role.DECODE))
+
+    def drain(self, worker_id: str) -> bool:
+        """Asks a worker to drain (it answers Draining); False if no such worker is registered."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is None:
+            return False
+        self._send(worker, Drain())
+        self._drop_unreachable()
+        return True
 
     # ---- requests: called by the fronts ----
 
@@ -136,6 +149,9 @@ class TokenRouter:
 
     def _start_prefill(self, request: InflightRequest) -> None:
         self.requests[request.request_id] = request
+        self._send_prefill_task(request)
+
+    def _send_prefill_task(self, request: InflightRequest) -> None:
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
         self._send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling, job.stop,
@@ -151,14 +167,30 @@ class TokenRouter:
             request.events.put_nowait(event)
         self.admission.admit_waiting()
 
-    def _fail(self, request: InflightRequest, code: ErrorCode, message: str) -> None:
+    def _fail(self, request: InflightRequest, code: ErrorCode, message: str, failed: Worker | None = None) -> None:
+        """Ends the request with that error, unless `failed` is the prefill it has not had its first
+        token from yet: then it gets another prefill, once."""
         if request.ended():
             return
         self._abort_on_workers(request)
+        before_first_token = request.stage == Stage.PREFILL and failed is request.prefill
+        if before_first_token and code != ErrorCode.RESOURCE_EXHAUSTED and self._retry_prefill(request):
+            log.warning("request moved to another prefill", request_id=request.request_id, reason=message,
+                        prefill=request.prefill.worker_id)
+            return
         self._end(request, ErrorEvent(code, message))
 
+    def _retry_prefill(self, request: InflightRequest) -> bool:
+        """Before its first token a request has lost nothing the client saw: it gets one more
+        prefill, a new one, if one has room now."""
+        if request.failed_on or not self.admission.replace_prefill(request):
+            return False
+        metrics.REQUEST_RETRIES.inc()
+        self._send_prefill_task(request)
+        return True
+
     def _abort_on_workers(self, request: InflightRequest) -> None:
-        holder = {Stage.PREFILL: request.prefill, Stage.DECODE: request.decode}.get(request.stage)
+        holder = request.holder()
         if holder is not None and self.registry.workers.get(holder.worker_id) is holder:
             self._send(holder, Abort(request.request_id))
 
@@ -222,7 +254,8 @@ class TokenRouter:
     def _expire_stages(self, now: float) -> None:
         for request in list(self.requests.values()):
             if not request.ended() and now > request.deadline:
-                self._fail(request, ErrorCode.UNAVAILABLE, f"the request's {request.stage.value} stage timed out")
+                self._fail(request, ErrorCode.UNAVAILABLE, f"the request's {request.stage.value} stage timed out",
+                           request.holder())
         for request_id, handoff in list(self.handoffs.items()):
             if now - handoff.since > self.settings.handoff_timeout_s:
                 log.warning("handoff not pulled in time: releasing the prefill's pages", request_id=request_id)
@@ -244,8 +277,7 @@ class TokenRouter:
             self._drop_worker(peer.worker, f"worker {peer.worker.worker_id} registered again as {message.worker_id}")
         if replaced is not None:
             self._drop_worker(replaced, f"worker {replaced.worker_id} registered again", remove=False)
-        metrics.watch_pages(worker.worker_id, worker.role, worker.total_pages, lambda: worker.free_pages,
-                            lambda: worker.reserved_pages)
+        metrics.watch_routed(worker)
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
                 self._send(decode, PoolAvailable(worker.worker_id, message.pool))
@@ -270,6 +302,13 @@ class TokenRouter:
             return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"
         return ""
 
+    def _on_draining(self, peer: Peer, message: Draining) -> None:
+        worker = peer.worker
+        if worker is not None and worker.worker_id == message.worker_id and not worker.draining:
+            log.info("worker draining", worker=worker.worker_id, requests=len(worker.reservations))
+            worker.draining = True
+            self._on_workers_changed(self.serving())
+
     def _on_deregister(self, peer: Peer, message: Deregister) -> None:
         if peer.worker is not None and peer.worker.worker_id == message.worker_id:
             self._drop_worker(peer.worker, f"worker {message.worker_id} stopped")
@@ -287,6 +326,8 @@ class TokenRouter:
                                       f"{message.stalled_s:.1f} s (router.progress_timeout_s)")
             return
         owed = {request_id for request_id, h in self.handoffs.items() if h.prefill_id == worker.worker_id}
+        if worker.draining and not worker.reservations and not owed:
+            self._send(worker, Drained())
         for request_id in message.holding:
             if request_id not in worker.reservations and request_id not in owed:
                 log.warning("worker holds a request the router does not know: aborting it", worker=worker.worker_id,
@@ -302,6 +343,7 @@ class TokenRouter:
         if request is None or request.stage != Stage.PREFILL or request.prefill is not prefill:
             self._send(prefill, ReleaseKv(message.request_id))  # the request ended meanwhile
             return
+        prefill.pending_tokens.pop(request.request_id, None)
         timings = request.timings
         timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
         timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
@@ -366,9 +408,8 @@ class TokenRouter:
         if handoff is not None and handoff.decode_id == sender.worker_id:
             self._release_handoff(message.request_id)  # a decode that failed will never pull it
         request = self.requests.get(message.request_id)
-        holder = {Stage.PREFILL: request.prefill, Stage.DECODE: request.decode}.get(request.stage) if request else None
-        if holder is sender:
-            self._end(request, ErrorEvent(message.code, message.message))
+        if request is not None and request.holder() is sender:
+            self._fail(request, message.code, message.message, sender)
 
     def _drop_worker(self, worker: Worker, reason: str, remove: bool = True) -> None:
         log.warning("dropping worker", worker=worker.worker_id, reason=reason, requests=len(worker.reservations))
@@ -378,7 +419,7 @@ class TokenRouter:
         for request_id in list(worker.reservations):
             request = self.requests.get(request_id)
             if request is not None:
-                self._fail(request, ErrorCode.UNAVAILABLE, reason)  # aborts it on its other worker
+                self._fail(request, ErrorCode.UNAVAILABLE, reason, worker)  # aborts it on its other worker
         worker.reservations.clear()
         for request_id, handoff in list(self.handoffs.items()):
             if handoff.decode_id == worker.worker_id:

@@ -23,6 +23,9 @@ class Worker:
     # the decode has pulled them, prompt + max_tokens on a decode until it ends the request. The
     # requests that fail if this worker dies are exactly these.
     reservations: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens placed on a prefill and not prefilled yet, by request id: its queue, in work.
+    pending_tokens: dict[str, int] = field(default_factory=dict)
+    draining: bool = False    # takes no new work (services/router/routing.py skips it)
     free_pages: int = 0       # as the worker last reported
     running: int = 0
     waiting: int = 0
@@ -36,6 +39,10 @@ class Worker:
     @property
     def room(self) -> int:
         return self.total_pages - self.reserved_pages
+
+    @property
+    def pending_prompt_tokens(self) -> int:
+        return sum(self.pending_tokens.values())
 
 
 class WorkerRegistry:
@@ -74,10 +81,9 @@ class WorkerRegistry:
     def of_role(self, role: Role) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def pick(self, role: Role, pages: int) -> Worker | None:
-        """The worker of that role with the most unpromised room, if it can take `pages`."""
-        best = max(self.of_role(role), key=lambda w: (w.room, -len(w.reservations)), default=None)
-        return best if best is not None and best.room >= pages else None
+    def serving(self, role: Role) -> list[Worker]:
+        """The workers of that role that take new work."""
+        return [w for w in self.of_role(role) if not w.draining]
 
     def largest_pool(self, role: Role) -> int:
         return max((w.total_pages for w in self.of_role(role)), default=0)
