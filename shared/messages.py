@@ -113,6 +113,17 @@ class KvPoolHandle:
 
 
 @dataclass(frozen=True)
+class ModelFingerprint:
+    """What makes one worker's KV usable by another (shared/model/fingerprint.py): a prefill and a
+    decode of different models must never pair. Hashes are sha256 hex digests."""
+    config_sha: str     # the model's config, all of it
+    weights_sha: str    # the weight files: names, sizes and their first and last MiB
+    tokenizer_sha: str  # the tokenizer's files (the router tokenizes for every worker)
+    dtype: str          # the activations' and the KV cache's dtype
+    kv_layout: str      # layers, KV heads, head size, page size
+
+
+@dataclass(frozen=True)
 class Register:
     worker_id: str
     role: Role
@@ -122,6 +133,7 @@ class Register:
     total_pages: int
     page_size: int
     pool: KvPoolHandle | None  # prefill only
+    fingerprint: ModelFingerprint
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class WorkerLoop(abc.ABC):
         self.notify = worker.notify
         self.stream = stream
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
-                                total_pages, page_size, pool)
+                                total_pages, page_size, pool, worker.fingerprint)
         self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
                                worker.config.worker)
         self.dispatch = Dispatcher({**handlers, Drain: self._on_drain, Drained: self._on_drained})

@@ -15,7 +15,8 @@ from shared.config import Config, parse_service_config
 from shared.device import select_device
 from shared.dispatch import FatalError
 from shared.log import configure_logging
-from shared.messages import Role
+from shared.messages import ModelFingerprint, Role
+from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.weight_share import map_weights, weights_file
@@ -32,6 +33,7 @@ class Worker:
     config: Config
     model: PagedLlama
     finish: FinishCheck
+    fingerprint: ModelFingerprint
     stop: StopSignals
     notify: SystemdNotify
 
@@ -44,14 +46,14 @@ def start_worker(role: Role) -> Worker:
     configure_logging(role.value, section.worker_id, config.log.format, config.log.level)
     stop = stop_signals()
     cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
-    model, finish = load_model(config, getattr(section, "weights_from", ""))
+    model, finish, fingerprint = load_model(config, getattr(section, "weights_from", ""))
     log.info("model ready", cores=cores)
-    return Worker(config, model, finish, stop, SystemdNotify())
+    return Worker(config, model, finish, fingerprint, stop, SystemdNotify())
 
 
-def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck]:
+def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
     """The model, loaded from its checkpoint or mapped from the weights prefill `weights_from`
-    publishes, and the check that ends its requests."""
+    publishes, the check that ends its requests, and its fingerprint (what a peer's KV must match)."""
     # "cuda" resolved to "cuda:N" and made current before anything touches a GPU (shared/device.py).
     config.model.device = str(select_device(config.model.device))
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
@@ -63,7 +65,9 @@ def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, Fini
     else:
         model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
     log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers)
-    return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context)
+    fingerprint = model_fingerprint(checkpoint, hf_config, str(model.embed.dtype).removeprefix("torch."),
+                                    model.num_layers, model.num_kv_heads, model.head_dim, config.kv.page_size)
+    return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint
 
 
 def exit_on_error(main) -> None:

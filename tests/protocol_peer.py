@@ -14,12 +14,14 @@ import zmq
 
 from shared import wire
 from shared.kv_pool import make_layout
-from shared.messages import PROTOCOL_VERSION, Heartbeat, KvPoolHandle, Register, Role
+from shared.messages import PROTOCOL_VERSION, Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
 
 
 class ProtocolPeer:
-    def __init__(self, endpoint: str, worker_id: str, role: Role, total_pages: int = 64, page_size: int = 16):
+    def __init__(self, endpoint: str, worker_id: str, role: Role, fingerprint: ModelFingerprint,
+                 total_pages: int = 64, page_size: int = 16):
         self.worker_id = worker_id
+        self.fingerprint = fingerprint
         self.role = role
         self.total_pages = total_pages
         self.page_size = page_size
@@ -51,7 +53,7 @@ class ProtocolPeer:
             layout = make_layout(1, self.total_pages, self.page_size, 1, 8, torch.float32)
             pool = KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout)
         self.send(Register(self.worker_id, self.role, protocol_version, "peer-incarnation", 0, self.total_pages,
-                           self.page_size, pool))
+                           self.page_size, pool, self.fingerprint))
 
     def heartbeat(self, holding: list[str] = ()) -> None:
         self.send(Heartbeat(self.worker_id, self.epoch, self.total_pages, 0, 0, 0.0, list(holding)))

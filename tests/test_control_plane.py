@@ -17,8 +17,11 @@ import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 from shared import wire
+from shared.model.fingerprint import model_fingerprint
+from shared.model.loader import load_hf_config
 from shared.messages import (EXIT_REFUSED, Abort, DecodeTask, ErrorCode, Failed, FinishReason, KvPulled, KvReady,
-                             PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch, TokenOut)
+                             ModelFingerprint, PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch,
+                             TokenOut)
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer
 from tests.stack import ServiceStack
@@ -209,6 +212,20 @@ def test_a_worker_the_router_refuses_exits_and_is_never_listed(stack, tmp_path):
         misfit.stop()
 
 
+def test_a_worker_of_another_model_never_pairs(stack, tmp_path):
+    """Pairing check: a decode whose KV differs (bfloat16 against the stack's float32) is refused
+    with what differs, and exits EXIT_REFUSED."""
+    misfit = ServiceStack(tmp_path, CACHE_DIR, services=("decode",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env[
+        "PDSERVE_ROUTER_RUNTIME_DIR"], PDSERVE_DECODE_WORKER_ID="decode-misfit", PDSERVE_MODEL_DTYPE="bfloat16")
+    try:
+        misfit.start("decode")
+        assert misfit.processes["decode"].wait(timeout=120) == EXIT_REFUSED
+        assert "dtype bfloat16 instead of float32" in misfit.log_path("decode").read_text()
+        assert "decode-misfit" not in {w.worker_id for w in stack.workers()}
+    finally:
+        misfit.stop()
+
+
 def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoint, tmp_path):
     stack = ServiceStack(tmp_path, CACHE_DIR, services=("prefill",), PDSERVE_WORKER_REGISTER_TIMEOUT_S="2")
     try:
@@ -221,14 +238,22 @@ def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoin
 
 # ---- protocol peers against the real router: who may say what ----
 
+def _fingerprint(checkpoint) -> ModelFingerprint:
+    """What the stack's real workers would register with (float32 on the CPU)."""
+    hf_config = load_hf_config(checkpoint)
+    return model_fingerprint(checkpoint, hf_config, "float32", hf_config.num_hidden_layers,
+                             hf_config.num_key_value_heads, hf_config.head_dim, 16)
+
+
 @pytest.fixture()
 def router_and_peers(checkpoint, tmp_path):
     """The real router alone, with a prefill, a decode and a small second decode played by peers."""
     stack = ServiceStack(tmp_path, CACHE_DIR, services=("router",), PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S="120")
     endpoint = f"ipc://{tmp_path}/run/router.ipc"
-    peers = {"prefill": ProtocolPeer(endpoint, "prefill-0", Role.PREFILL, total_pages=64),
-             "decode": ProtocolPeer(endpoint, "decode-0", Role.DECODE, total_pages=256),
-             "other": ProtocolPeer(endpoint, "decode-1", Role.DECODE, total_pages=4)}
+    fingerprint = _fingerprint(checkpoint)
+    peers = {"prefill": ProtocolPeer(endpoint, "prefill-0", Role.PREFILL, fingerprint, total_pages=64),
+             "decode": ProtocolPeer(endpoint, "decode-0", Role.DECODE, fingerprint, total_pages=256),
+             "other": ProtocolPeer(endpoint, "decode-1", Role.DECODE, fingerprint, total_pages=4)}
     for peer in peers.values():
         peer.register()  # queued until the router binds
     try:
@@ -275,9 +300,9 @@ def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_
 
 
 def test_a_worker_of_another_protocol_version_is_refused_with_the_reason(router_and_peers):
-    stack, _ = router_and_peers
+    stack, peers = router_and_peers
     endpoint = f"ipc://{stack.workdir}/run/router.ipc"
-    old = ProtocolPeer(endpoint, "prefill-old", Role.PREFILL)
+    old = ProtocolPeer(endpoint, "prefill-old", Role.PREFILL, next(iter(peers.values())).fingerprint)
     try:
         old.register(protocol_version=1)
         assert "protocol version 1" in old.receive(Refused).reason

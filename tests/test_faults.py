@@ -140,8 +140,9 @@ def test_deadline_ends_the_request_and_frees_its_pages(stack):
 
 
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
-def test_sigterm_fails_in_flight_requests_explicitly_and_exits_zero(stack, victim):
-    """A worker told to stop fails what it holds at once (not after missed heartbeats), and exits 0."""
+def test_sigint_fails_in_flight_requests_explicitly_and_exits_zero(stack, victim):
+    """A worker told to stop now (SIGINT, or SIGTERM twice) fails what it holds at once (not after
+    missed heartbeats), and exits 0."""
     if victim == "prefill":
         stack.signal("decode", signal.SIGSTOP)  # keep the request parked at the prefill's side
     call = stack.stub.Generate(_long_request(), timeout=60)
@@ -151,7 +152,7 @@ def test_sigterm_fails_in_flight_requests_explicitly_and_exits_zero(stack, victi
         else:
             time.sleep(2.0)  # the prefill has computed the prompt and holds its KV for the stopped decode
         stopped_at = time.monotonic()
-        stack.signal(victim, signal.SIGTERM)
+        stack.signal(victim, signal.SIGINT)
         with pytest.raises(grpc.RpcError) as error:
             for _ in call:
                 pass
@@ -163,6 +164,32 @@ def test_sigterm_fails_in_flight_requests_explicitly_and_exits_zero(stack, victi
     assert stack.processes[victim].wait(timeout=30) == 0
     assert not [s for s in stack.shm_segments()
                 if s.endswith(f"-{stack.processes[victim].pid}")], "the stopped worker's pool is gone"
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_sigterm_drains_a_worker_its_requests_finish_and_it_exits_zero(stack, victim):
+    """SIGTERM (systemd's stop, a rolling restart): the worker takes no new work, finishes what it
+    holds (the decode its stream, the prefill a prompt in work and its handoff), then exits 0."""
+    if victim == "decode":
+        request = generation_pb2.GenerateRequest(prompt="Count slowly:", max_tokens=40, ignore_eos=True, temperature=0)
+    else:
+        request = generation_pb2.GenerateRequest(prompt_token_ids=[1000 + i % 5000 for i in range(3000)],
+                                                 max_tokens=4, ignore_eos=True, temperature=0)
+    call = stack.stub.Generate(request, timeout=120)
+    if victim == "decode":
+        next(call)
+    else:
+        time.sleep(0.5)  # the prompt is in work
+    stack.signal(victim, signal.SIGTERM)
+    received = sum(len(c.token_ids) for c in call)
+    assert received == (39 if victim == "decode" else 4), "the drained worker finished the request"
+    assert stack.processes[victim].wait(timeout=30) == 0
+    assert f'"{victim} worker draining"' in stack.log_path(victim).read_text()
+    stack.wait_worker_gone(victim)
+    stack.start(victim)
+    stack.wait_serving()
+    assert _tokens(stack.stub, _short_request()) == 3
+    stack.assert_pools_drained()
 
 
 def test_a_prefill_busy_for_longer_than_the_heartbeat_timeout_stays_registered(stack):

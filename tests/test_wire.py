@@ -16,11 +16,13 @@ LAYOUT = m.KvLayout(num_layers=30, num_pages=1024, page_size=16, num_kv_heads=3,
 HANDLE = m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-1234", layout=LAYOUT)
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 63) - 1)
 STOP = m.StopParams(max_tokens=128, ignore_eos=True)
+FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",
+                                 "layers=32 kv_heads=8 head_dim=128 page_size=16")
 
 # One instance per message type; where a type has an optional field, both None and set appear.
 SAMPLES = [
-    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLE),
-    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, None),
+    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLE, FINGERPRINT),
+    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, None, FINGERPRINT),
     m.Registered(router_epoch="9f8e7d"),
     m.Refused("protocol version 1, but this router speaks 2"),
     m.Heartbeat("decode-0", "9f8e7d", free_pages=2000, running=3, waiting=0, stalled_s=0.25,
@@ -65,6 +67,7 @@ def test_round_trip_restores_enum_and_nested_types():
     register = wire.decode(wire.encode(sample(m.Register, lambda s: s.pool is not None)))
     assert type(register.role) is m.Role
     assert type(register.pool) is m.KvPoolHandle and type(register.pool.layout) is m.KvLayout
+    assert type(register.fingerprint) is m.ModelFingerprint
     assert type(register.pool.locator) is bytes
     batch = wire.decode(wire.encode(sample(m.TokenBatch, lambda s: len(s.tokens) == 2)))
     assert [type(t) for t in batch.tokens] == [m.TokenOut, m.TokenOut]
@@ -111,7 +114,8 @@ BAD_FRAMES = {
     "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], [0.7, 0.9, 40], STOP_RAW, 2.5),
     "nested struct as map": _frame(PREFILL_TASK, "r", [1], {"temperature": 0.7}, STOP_RAW, 2.5),
     "bool field given int": _frame(PREFILL_TASK, "r", [1], SAMPLING_RAW, [16, 0], 2.5),
-    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, None),
+    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, None,
+                           ["c", "w", "t", "float32", "layers=1"]),
     "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0.0, 0.0),
     "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
     "None for required field": _frame(HEARTBEAT, None, "e", 1, 0, 0, 0.0, []),

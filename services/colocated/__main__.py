@@ -41,11 +41,11 @@ def main() -> None:
     configure_logging("colocated", worker_ids, config.log.format, config.log.level)
     stop = stop_signals()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    model, finish = load_model(config)
+    model, finish, fingerprint = load_model(config)
     notify = JointNotify(SystemdNotify(), ("prefill", "decode"))
     # The decode first: the prefill's constructor exports its pool, which only its run() closes.
-    decode = DecodeWorker(Worker(config, model, finish, stop, notify.member("decode")))
-    prefill = PrefillWorker(Worker(config, model, finish, stop, notify.member("prefill")), colocated=True)
+    decode = DecodeWorker(Worker(config, model, finish, fingerprint, stop, notify.member("decode")))
+    prefill = PrefillWorker(Worker(config, model, finish, fingerprint, stop, notify.member("prefill")), colocated=True)
     metrics.watch_workers([prefill.load, decode.load])
     if model.device.type == "cuda":  # the workers' own streams do not wait for the default one they were built on
         torch.cuda.synchronize(model.device)

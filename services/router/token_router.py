@@ -38,8 +38,9 @@ from shared import metrics, wire
 from shared.config import Config
 from shared.dispatch import Dispatcher
 from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, Drain, Drained, Draining, ErrorCode,
-                             Failed, Heartbeat, KvPulled, KvReady, PoolAvailable, PoolGone, PrefillTask, Refused,
-                             Register, Registered, ReleaseKv, Reregister, Role, TokenBatch)
+                             Failed, Heartbeat, KvPulled, KvReady, ModelFingerprint, PoolAvailable, PoolGone,
+                             PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister, Role, TokenBatch)
+from shared.model import fingerprint
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
@@ -62,8 +63,11 @@ class Handoff:
 
 
 class TokenRouter:
-    def __init__(self, config: Config, on_workers_changed: Callable[[bool], None]):
+    def __init__(self, config: Config, checkpoint: tuple[str, str, str], on_workers_changed: Callable[[bool], None]):
+        """checkpoint: the (config, weights, tokenizer) hashes of the router's own copy of the model
+        (shared/model/fingerprint.py); every worker's must equal them."""
         self.config = config
+        self.checkpoint = checkpoint
         self.settings = config.router
         self.epoch = secrets.token_hex(8)
         self.registry = WorkerRegistry()
@@ -300,7 +304,17 @@ class TokenRouter:
             return "only a prefill exports a KV pool, and every prefill does"
         if self._security is not None and not self._security.permits(peer.user_id, message.worker_id, message.role):
             return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"
-        return ""
+        return self._mismatch(message)
+
+    def _mismatch(self, message: Register) -> str:
+        """Why this worker's KV could not pair with the stack's, or "" if it can: the model is the
+        router's own, and dtype and KV layout are those of the workers already serving."""
+        theirs = message.fingerprint
+        others = [w.fingerprint for w in self.registry.workers.values() if w.worker_id != message.worker_id]
+        serving = others[0] if others else theirs
+        expected = ModelFingerprint(*self.checkpoint, serving.dtype, serving.kv_layout)
+        wrong = fingerprint.differences(expected, theirs)
+        return f"another model than this stack's: {'; '.join(wrong)}" if wrong else ""
 
     def _on_draining(self, peer: Peer, message: Draining) -> None:
         worker = peer.worker

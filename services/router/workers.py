@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import Heartbeat, KvPoolHandle, Register, Role
+from shared.messages import Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
 
 
 @dataclass(eq=False)
@@ -18,6 +18,7 @@ class Worker:
     pid: int
     total_pages: int
     pool: KvPoolHandle | None
+    fingerprint: ModelFingerprint
     last_seen: float = field(default_factory=time.monotonic)
     # Pages promised to each request in flight, by request id: the prompt's on a prefill until
     # the decode has pulled them, prompt + max_tokens on a decode until it ends the request. The
@@ -58,7 +59,7 @@ class WorkerRegistry:
         if old is not None and old.incarnation == message.incarnation and old.identity == identity:
             return old, old
         worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
-                        message.total_pages, message.pool, free_pages=message.total_pages)
+                        message.total_pages, message.pool, message.fingerprint, free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         return worker, old
 
