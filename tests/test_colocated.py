@@ -25,7 +25,9 @@ from services.colocated.threads import run_together
 from shared import metrics
 from shared.config import parse_cores
 from shared.kv_pool import make_layout
-from shared.kv_share import SameProcessMapping, export_pool, map_pool
+from shared.kv_transfer import export_pool
+from shared.kv_transfer.local_exports import SameProcessMapping
+from shared.kv_transfer.shm import ShmBackend
 from shared.messages import EXIT_REFUSED
 from shared.router_link import RegistrationRefused, WorkerLoad
 from tests.conftest import CACHE_DIR
@@ -110,14 +112,14 @@ def test_loops_stopped_by_the_signal_end_cleanly():
 def test_a_pool_exported_by_this_process_maps_to_the_exporters_own_pool():
     exported = export_pool(make_layout(2, 4, 16, 2, 8, torch.float32), "same-process", "cpu")
     segment = Path("/dev/shm") / exported.handle.locator.decode()
-    mapped = map_pool(exported.handle, "cpu")
+    mapped = ShmBackend.map_pool(exported.handle, torch.device("cpu"))
     assert isinstance(mapped, SameProcessMapping)
     assert mapped.pool.kv.data_ptr() == exported.pool.kv.data_ptr()
     mapped.close()
     exported.close()
     assert not segment.exists()
     with pytest.raises(FileNotFoundError):  # a closed export is no longer this process's to hand out
-        map_pool(exported.handle, "cpu")
+        ShmBackend.map_pool(exported.handle, torch.device("cpu"))
 
 
 def test_load_gauges_add_up_the_workers_of_one_process():

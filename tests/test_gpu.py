@@ -24,7 +24,7 @@ EIGHT_B_KV = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloa
 def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
     """A prefill-side pool exported by CUDA IPC, pulled by another process into its own pool."""
     from shared import wire
-    from shared.kv_share import export_pool
+    from shared.kv_transfer import export_pool
 
     tokens, page_size = 32 * 1024, 16
     layout = make_layout(num_pages=pages_for(tokens, page_size) + 64, page_size=page_size, **EIGHT_B_KV)
@@ -41,10 +41,10 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
         from pathlib import Path
         from shared import wire
         from shared.kv_pool import allocate_local_pool
-        from shared.kv_share import map_pool
+        from shared.kv_transfer.cuda_ipc import CudaIpcBackend
         handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
         src = torch.tensor([int(p) for p in Path({str(tmp_path / 'pages')!r}).read_text().split(",")], device="cuda")
-        mapped = map_pool(handle, "cuda:0")
+        mapped = CudaIpcBackend.map_pool(handle, torch.device("cuda:0"))
         local, _ = allocate_local_pool(handle.layout, "cuda:0")
         dst = torch.arange(len(src), device="cuda")
         local.copy_pages_from(mapped.pool, src, dst)
@@ -70,7 +70,7 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     page-id staging buffer while the copies reading it still wait; unmapping the pool waits for the
     copies still reading it."""
     from shared import wire
-    from shared.kv_share import export_pool
+    from shared.kv_transfer import export_pool
 
     layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
     exported = export_pool(layout, "pull-test", "cuda:0")
@@ -267,8 +267,8 @@ _PEER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
     from shared import wire
-    from shared.kv_share import map_pool
-    mapped = map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool, "cuda:0")
+    from shared.kv_transfer.cuda_ipc import CudaIpcBackend
+    mapped = CudaIpcBackend.map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool, torch.device("cuda:0"))
     checksum = lambda: mapped.pool.kv.view(torch.int16).double().sum().item()
     print(checksum(), flush=True)
     for line in sys.stdin:  # each line read: checksum again
@@ -283,7 +283,7 @@ def _peer(handle_file):
 
 def _exported_pool(tmp_path):
     from shared import wire
-    from shared.kv_share import export_pool
+    from shared.kv_transfer import export_pool
 
     layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
     exported = export_pool(layout, "lifetime", "cuda:0")

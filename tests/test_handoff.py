@@ -10,7 +10,7 @@ import torch
 from services.decode.handoff import HandoffError, KvPuller
 from shared import wire
 from shared.kv_pool import allocate_local_pool, make_layout
-from shared.kv_share import export_pool
+from shared.kv_transfer import export_pool
 from shared.messages import DecodeTask, SamplingParams, StopParams
 
 PAGE_SIZE = 4

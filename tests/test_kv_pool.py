@@ -1,4 +1,4 @@
-"""shared/kv_pool.py and shared/kv_share.py: shard layout, page allocation, page copies, and a pool
+"""shared/kv_pool.py and shared/kv_transfer/shm.py: shard layout, page allocation, page copies, and a pool
 shared with a real second process through POSIX shared memory."""
 
 import os
@@ -14,7 +14,8 @@ from shared.kv_pool import (
     SHARD_ALIGN_BYTES, PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed,
     layout_bytes, make_layout, pages_for,
 )
-from shared.kv_share import SharedMemoryExport, map_pool
+from shared.kv_transfer import TransferError, backend_for
+from shared.kv_transfer.shm import SharedMemoryExport
 from shared.messages import KvPoolHandle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ def test_copy_pages_from_copies_exactly_the_listed_pages(kind, exported):
 
 CHILD = """
 import sys, torch
-from shared.kv_share import SharedMemoryMapping
+from shared.kv_transfer.shm import SharedMemoryMapping
 from shared.messages import KvLayout, KvPoolHandle
 name, close, *fields = sys.argv[1:]
 layers, pages, page_size, heads, head_dim, dtype, stride = fields
@@ -227,8 +228,8 @@ def test_closing_the_export_removes_the_segment():
 
 def test_mapping_refuses_another_backend():
     layout = make_layout(**LAYOUTS["float32"])
-    with pytest.raises(ValueError, match="cuda_ipc"):
-        map_pool(KvPoolHandle("cuda_ipc", b"opaque", layout), "cpu")
+    with pytest.raises(TransferError, match="cuda_ipc"):
+        backend_for(KvPoolHandle("cuda_ipc", b"opaque", layout), "cpu")
 
 
 def test_page_arithmetic():

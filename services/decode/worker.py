@@ -3,12 +3,14 @@
 Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
   (they were reserved by the router before the prefill started, so they are free)
-  -> the copy of the prompt's pages from the prefill's mapped pool starts, and the request
-  joins the running batch at the next step boundary (on a GPU that step waits for the copy on
-  the stream, not on the host) -> once the copy has landed, KvPulled is sent (the prefill may
-  now free its pages), ahead of the step's tokens -> each step emits one token per running
-  request (TokenBatch) -> it leaves the batch on EOS, max_tokens, the model's context, or an
-  Abort from the router, and its pages are freed at once.
+  -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/handoff.py)
+  -> a copy on the decode's own stream lets the request join the running batch at the next step
+  boundary (on a GPU that step waits for the copy on the stream, not on the host); any other
+  transfer keeps it aside until DONE, and one that fails frees its pages and sends Failed
+  -> once the pages have landed, KvPulled is sent (the prefill may now free its pages), ahead of
+  the step's tokens -> each step emits one token per running request (TokenBatch) -> it leaves
+  the batch on EOS, max_tokens, the model's context, or an Abort from the router, and its pages
+  are freed at once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shared.kv_pool import (
     make_layout,
     pages_for,
 )
+from shared.kv_transfer import TransferState
 from shared.messages import (
     Abort,
     DecodeTask,
@@ -83,7 +86,7 @@ class DecodeWorker(WorkerLoop):
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages
-        self.puller = KvPuller(self.pool, self.scratch_page)
+        self.puller = KvPuller(self.pool, self.scratch_page, config.kv.transfer_timeout_s)
         stream = worker_stream(model.device, high_priority=True)
         # The most pages one request can hold: its whole context, within the pool.
         max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
@@ -91,6 +94,7 @@ class DecodeWorker(WorkerLoop):
         self.graphs = self._capture_graphs(config, max_pages, stream) if model.device.type == "cuda" else None
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
+        self.pulling: dict[str, DecodingRequest] = {}   # kept out of the batch until their transfer is DONE
         self.last_busy = float("-inf")
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, None,
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
@@ -110,8 +114,8 @@ class DecodeWorker(WorkerLoop):
     # ---- the skeleton's hooks ----
 
     def load(self) -> WorkerLoad:
-        held = [*self.running, *list(self.waiting)]
-        return WorkerLoad(self.allocator.num_free, len(self.running), len(self.waiting),
+        held = [*self.running, *list(self.waiting), *list(self.pulling.values())]
+        return WorkerLoad(self.allocator.num_free, len(self.running), len(held) - len(self.running),
                           [request.request_id for request in held])
 
     def receive_timeout_s(self) -> float:
@@ -130,15 +134,21 @@ class DecodeWorker(WorkerLoop):
 
     def forget_all(self) -> None:
         self._acknowledge_pulls()  # copies in flight still land; the prefill's pages are its own concern
-        for request in [*self.running, *self.waiting]:
+        for request in self._drop_all():
             self.allocator.free(request.pages)
-        self.running, self.waiting = [], deque()
 
     def fail_all(self, reason: str) -> None:
-        for request in [*self.running, *self.waiting]:
+        for request in self._drop_all():
             self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, reason))
             self.allocator.free(request.pages)
-        self.running, self.waiting = [], deque()
+
+    def _drop_all(self) -> list[DecodingRequest]:
+        """Every request held, out of the batch, their unfinished transfers ended: pages to free."""
+        for request_id in self.pulling:
+            self.puller.cancel(request_id)
+        dropped = [*self.running, *self.waiting, *self.pulling.values()]
+        self.running, self.waiting, self.pulling = [], deque(), {}
+        return dropped
 
     def close(self) -> None:
         self.puller.close()
@@ -148,7 +158,7 @@ class DecodeWorker(WorkerLoop):
     def _on_pool_available(self, message: PoolAvailable) -> None:
         try:
             self.puller.map_pool(message.prefill_worker_id, message.pool)
-        except (HandoffError, OSError, ValueError) as exc:
+        except HandoffError as exc:
             log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=str(exc))
 
     def _on_pool_gone(self, message: PoolGone) -> None:
@@ -164,20 +174,37 @@ class DecodeWorker(WorkerLoop):
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return
         try:
-            self.puller.pull(task, pages)
+            transfer = self.puller.pull(task, pages)
         except HandoffError as exc:
             self.allocator.free(pages)
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
-        self.waiting.append(DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1,
-                                            task.sampling, task.stop))
+        request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1, task.sampling,
+                                  task.stop)
+        if transfer.stream_ordered or transfer.state is TransferState.DONE:
+            self.waiting.append(request)
+        else:
+            self.pulling[task.request_id] = request
 
     def _acknowledge_pulls(self) -> None:
-        """KvPulled for each copy that has landed: only then may the prefill reuse its pages."""
+        """KvPulled for each transfer that has landed: only then may the prefill reuse its pages. A
+        request kept aside for it may step now; one whose transfer failed is dropped."""
         for pulled in self.puller.landed():
             self.link.send(KvPulled(pulled.request_id, pulled.prefill_worker_id, pulled.pull_s, pulled.landed_at))
+            log.debug("KV pulled", request_id=pulled.request_id, prefill=pulled.prefill_worker_id,
+                      pull_ms=round(pulled.pull_s * 1e3, 3))
+            if pulled.request_id in self.pulling:
+                self.waiting.append(self.pulling.pop(pulled.request_id))
+        for failed in self.puller.failed():
+            request = self.pulling.pop(failed.request_id, None)
+            if request is not None:  # only a transfer the decode does not order on its stream fails
+                self.allocator.free(request.pages)
+                self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, f"KV transfer failed: {failed.error}"))
 
     def _on_abort(self, message: Abort) -> None:
+        if message.request_id in self.pulling:
+            self.puller.cancel(message.request_id)
+            self.allocator.free(self.pulling.pop(message.request_id).pages)
         for group in (self.running, self.waiting):
             for request in [r for r in group if r.request_id == message.request_id]:
                 group.remove(request)

@@ -5,7 +5,7 @@ Lifecycle of a request here:
   -> the prompt's forward pass writes K/V into the pages -> the first token is sampled
   -> KvReady (page ids, first token) goes to the router -> the pages stay held until the
      router sends ReleaseKv (the decode has copied them) or Abort (the request is gone).
-The pool is exported once at start (shared/kv_share.py); only page ids leave this process.
+The pool is exported once at start (shared/kv_transfer); only page ids leave this process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import structlog
 from shared import metrics, wire
 from shared.device import worker_stream
 from shared.kv_pool import PageAllocator, make_layout, pages_for
-from shared.kv_share import export_pool
+from shared.kv_transfer import export_pool
 from shared.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
 from shared.model.weight_share import publish_weights, weights_file
 from shared.router_link import WorkerLoad

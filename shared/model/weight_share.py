@@ -5,7 +5,10 @@ folder (only the service user can enter it) lists, for every tensor, the CUDA IP
 storage with the tensor's offset, shape, stride and dtype. A decode configured with
 `decode.weights_from = "<prefill worker id>"` maps them instead of loading its own copy
 (16 GB for the 8B shape). The decode then depends on that prefill process: when the router
-reports the prefill gone (PoolGone), the decode exits and its supervisor restarts it.
+reports the prefill gone (PoolGone), the decode exits and its supervisor restarts it. Only a
+decode on the prefill's own GPU may map them (read through peer access, every step's weights
+would cross NVLink): the file names the GPU by UUID, and a decode on another GPU exits with a
+configuration error.
 """
 
 from __future__ import annotations
@@ -17,8 +20,14 @@ from pathlib import Path
 import msgpack
 import torch
 
+from shared.device import device_uuid
+from shared.dispatch import FatalError
 from shared.model.llama import LlamaWeights, PagedLlama
 from shared.runtime_dir import write_private_file
+
+
+class WeightsOnAnotherGpu(FatalError):
+    exit_code = 2  # a configuration error, as a bad setting is: a restart does not mend it
 
 
 def weights_file(runtime_dir: str, prefill_worker_id: str) -> Path:
@@ -32,7 +41,8 @@ def publish_weights(model: PagedLlama, path: Path) -> None:
         entries[name] = [list(shared), tensor.storage_offset(), list(tensor.shape), list(tensor.stride()),
                          str(tensor.dtype).removeprefix("torch.")]
     # Whole or not at all for a reader, and through no symlink planted in the runtime folder.
-    write_private_file(path, msgpack.packb({"pid": os.getpid(), "tensors": entries}, use_bin_type=True))
+    owner = {"pid": os.getpid(), "device_uuid": device_uuid(model.device), "tensors": entries}
+    write_private_file(path, msgpack.packb(owner, use_bin_type=True))
 
 
 def map_weights(config, path: Path, device: torch.device | str, timeout_s: float) -> tuple[PagedLlama, int]:
@@ -44,10 +54,13 @@ def map_weights(config, path: Path, device: torch.device | str, timeout_s: float
         time.sleep(0.2)
     published = msgpack.unpackb(path.read_bytes(), raw=False)
     device = torch.device(device)
-    torch.cuda.set_device(device)
+    if published["device_uuid"] != device_uuid(device):
+        raise WeightsOnAnotherGpu(f"decode.weights_from shares weights on one GPU only: {path.name} is on GPU "
+                                  f"{published['device_uuid']}, this decode on {device} ({device_uuid(device)})")
     tensors = {}
     for name, (shared, offset, shape, stride, dtype) in published["tensors"].items():
-        storage = torch.UntypedStorage._new_shared_cuda(*shared)  # noqa: SLF001
+        # shared[0] is the publisher's device index, in its own numbering: the same GPU is ours.
+        storage = torch.UntypedStorage._new_shared_cuda(device.index, *shared[1:])  # noqa: SLF001
         tensor = torch.empty(0, dtype=getattr(torch, dtype), device=device)
         tensors[name] = tensor.set_(storage, offset, shape, stride)
     weights = LlamaWeights.from_named(tensors, config.num_hidden_layers)

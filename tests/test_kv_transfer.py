@@ -1,0 +1,222 @@
+"""shared/kv_transfer through the fake backend: a transfer's states, its failure, its timeout, and
+unmapping, at the puller (services/decode/handoff.py) and in a real DecodeWorker on the CPU.
+The shm backend's pulls are in tests/test_handoff.py, the cuda_ipc backend's in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.decode.handoff import HandoffError, KvPuller
+from shared import wire
+from shared.kv_pool import allocate_local_pool, make_layout
+from shared.kv_transfer import TransferState
+from shared.kv_transfer.fake import FakeExport, Script
+from shared.messages import (
+    Abort, DecodeTask, ErrorCode, Failed, KvPoolHandle, KvPulled, PoolAvailable, SamplingParams, StopParams, TokenBatch,
+)
+
+PAGE_SIZE = 4
+SPEC = dict(num_layers=2, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+SCRATCH = 6
+
+
+def task(src_pages: list[int], request_id: str = "r1", prefill: str = "prefill-0") -> DecodeTask:
+    return DecodeTask(request_id, prefill, wire.pack_page_ids(src_pages), len(src_pages) * PAGE_SIZE, 7,
+                      SamplingParams(0, 1, 0, 0), StopParams(4, True))
+
+
+def fake_export(script: Script, num_pages: int = 10, **spec) -> FakeExport:
+    export = FakeExport(make_layout(num_pages=num_pages, **(spec or SPEC)), f"fake-{uuid.uuid4().hex[:8]}", script)
+    export.pool.kv.copy_(torch.randn(export.pool.kv.shape))
+    return export
+
+
+@pytest.fixture
+def local():
+    pool, buffer = allocate_local_pool(make_layout(num_pages=SCRATCH + 1, **SPEC), "cpu")
+    pool.kv.fill_(-7.0)
+    yield pool
+    del buffer
+
+
+def puller_of(local, export: FakeExport, timeout_s: float = 30.0) -> KvPuller:
+    puller = KvPuller(local, SCRATCH, timeout_s)
+    puller.map_pool("prefill-0", export.handle)
+    return puller
+
+
+def test_states_progress_in_order_and_the_pages_land_once(local):
+    export = fake_export(Script(polls_per_state=2))
+    puller = puller_of(local, export)
+    transfer = puller.pull(task([9, 2]), [4, 0])
+    seen, landed = [], []
+    while not landed:
+        assert torch.all(local.kv[:, [4, 0]] == -7.0) and puller.copying
+        seen.append(transfer.state)
+        landed = puller.landed()  # polls it once
+    assert seen == [TransferState.PREPARING] * 2 + [TransferState.TRANSFERRING] * 2
+    assert landed == [transfer] and transfer.state is TransferState.DONE
+    assert transfer.started_at <= transfer.landed_at <= time.time()
+    assert torch.equal(local.kv[:, [4, 0]], export.pool.kv[:, [9, 2]])
+    assert puller.landed() == [] and not puller.copying
+
+
+def test_a_state_never_goes_back(local):
+    transfer = puller_of(local, fake_export(Script())).pull(task([1]), [0])
+    transfer.advance(TransferState.TRANSFERRING)
+    with pytest.raises(RuntimeError, match="TRANSFERRING cannot become PREPARING"):
+        transfer.advance(TransferState.PREPARING)
+    transfer.fail("lost")
+    with pytest.raises(RuntimeError):
+        transfer.land(time.time())
+
+
+@pytest.mark.parametrize("fail_at", [TransferState.PREPARING, TransferState.TRANSFERRING])
+def test_a_failed_transfer_is_reported_once_and_writes_nothing(local, fail_at):
+    puller = puller_of(local, fake_export(Script(fail_at=fail_at)))
+    transfer = puller.pull(task([3, 5]), [1, 2])
+    for _ in range(3):
+        assert puller.landed() == []
+    assert puller.failed() == [transfer] and puller.failed() == [] and not puller.copying
+    assert transfer.error == f"scripted failure while {fail_at.name.lower()}"
+    assert torch.all(local.kv[:, :SCRATCH] == -7.0)
+
+
+def test_a_stalled_transfer_fails_at_its_timeout(local):
+    puller = puller_of(local, fake_export(Script(stall_at=TransferState.TRANSFERRING)), timeout_s=0.2)
+    transfer = puller.pull(task([3]), [1])
+    assert puller.failed() == [] and transfer.poll() is TransferState.TRANSFERRING
+    time.sleep(0.25)
+    assert puller.failed() == [transfer]
+    assert transfer.error == "not done within 0.2 s (transferring)"
+
+
+def test_unmapping_waits_for_the_transfers_reading_the_pool(local):
+    export = fake_export(Script(polls_per_state=3))
+    puller = puller_of(local, export)
+    transfer = puller.pull(task([8, 1]), [3, 5])
+    puller.unmap_pool("prefill-0")
+    assert transfer.state is TransferState.DONE
+    assert torch.equal(local.kv[:, [3, 5]], export.pool.kv[:, [8, 1]])
+    assert puller.landed() == [transfer]
+    with pytest.raises(HandoffError, match="no mapped pool for prefill prefill-0"):
+        puller.pull(task([1]), [0])
+
+
+def test_a_cancelled_transfer_is_not_reported(local):
+    puller = puller_of(local, fake_export(Script(stall_at=TransferState.PREPARING)))
+    transfer = puller.pull(task([2]), [0])
+    puller.cancel("r1")
+    assert transfer.state is TransferState.FAILED
+    assert puller.landed() == [] and puller.failed() == [] and not puller.copying
+
+
+def test_a_pool_no_backend_here_can_pull_is_refused_with_its_reason(local):
+    puller = KvPuller(local, SCRATCH)
+    with pytest.raises(HandoffError, match="a decode on cpu cannot pull a 'nixl' pool"):
+        puller.map_pool("prefill-0", KvPoolHandle("nixl", b"agent", make_layout(num_pages=4, **SPEC)))
+    with pytest.raises(HandoffError, match=r"no mapped pool for prefill prefill-0 \(a decode on cpu cannot pull"):
+        puller.pull(task([0]), [0])
+
+
+def test_a_pool_of_another_layout_is_refused(local):
+    other = fake_export(Script(), **{**SPEC, "head_dim": 16})
+    with pytest.raises(HandoffError, match="its layout is"):
+        KvPuller(local, SCRATCH).map_pool("prefill-0", other.handle)
+
+
+def test_page_ids_outside_the_pool_start_nothing(local):
+    puller = puller_of(local, fake_export(Script(), num_pages=4))
+    with pytest.raises(HandoffError, match="outside"):
+        puller.pull(task([1, 4]), [0, 1])
+    assert not puller.copying
+
+
+# ---- a real DecodeWorker on the CPU, its router link replaced by a recorder ----
+
+class SentMessages:
+    def __init__(self):
+        self.sent: list[object] = []
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+@pytest.fixture
+def decode(tmp_path):
+    from services.decode.worker import DecodeWorker
+    from shared.config import load_config
+    from shared.process import StopSignals, SystemdNotify
+    from shared.worker_main import Worker, load_model
+
+    config = load_config(None, {"PDSERVE_MODEL_PATH": "random:llama-tiny", "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path),
+                                "PDSERVE_DECODE_METRICS_ADDRESS": "", "PDSERVE_KV_PAGE_SIZE": str(PAGE_SIZE),
+                                "PDSERVE_KV_DECODE_PAGES": "16", "PDSERVE_KV_TRANSFER_TIMEOUT_S": "0.3"})
+    # What start_worker builds, without its signal handlers and pinning.
+    worker = DecodeWorker(Worker(config, *load_model(config), StopSignals(threading.Event(), threading.Event()),
+                                 SystemdNotify()))
+    worker.link.close(linger_s=0)
+    worker.link = SentMessages()
+    yield worker
+    worker.close()
+
+
+def decode_export(decode, script: Script) -> FakeExport:
+    model = decode.model
+    export = fake_export(script, num_layers=model.num_layers, page_size=PAGE_SIZE, num_kv_heads=model.num_kv_heads,
+                         head_dim=model.head_dim, dtype=torch.float32)
+    decode._on_pool_available(PoolAvailable("prefill-0", export.handle))
+    return export
+
+
+def test_a_request_steps_only_once_its_transfer_is_done(decode):
+    export = decode_export(decode, Script(polls_per_state=2))
+    decode._on_task(task([5, 2]))
+    assert decode.load().waiting == 1 and decode.load().holding == ["r1"]
+    for _ in range(10):
+        if decode.link.of(KvPulled):
+            break
+        assert decode.link.of(TokenBatch) == []  # no step for it before its pages are there
+        decode.step()
+    assert torch.equal(decode.pool.kv[:, decode.running[0].pages[:2]], export.pool.kv[:, [5, 2]])
+    [pulled] = decode.link.of(KvPulled)
+    assert (pulled.request_id, pulled.prefill_worker_id) == ("r1", "prefill-0")
+    assert decode.link.sent.index(pulled) < decode.link.sent.index(decode.link.of(TokenBatch)[0])
+
+
+@pytest.mark.parametrize("script, reason", [
+    (Script(fail_at=TransferState.TRANSFERRING), "scripted failure while transferring"),
+    (Script(stall_at=TransferState.TRANSFERRING), "not done within 0.3 s"),
+], ids=["fails", "times out"])
+def test_a_failed_transfer_frees_the_decodes_pages_and_fails_the_request(decode, script, reason):
+    decode_export(decode, script)
+    free = decode.allocator.num_free
+    decode._on_task(task([1, 3, 0]))
+    assert decode.allocator.num_free < free
+    deadline = time.monotonic() + 5
+    while not decode.link.of(Failed) and time.monotonic() < deadline:
+        decode.step()
+        time.sleep(0.02)
+    [failed] = decode.link.of(Failed)
+    assert (failed.request_id, failed.code) == ("r1", ErrorCode.UNAVAILABLE) and reason in failed.message
+    assert decode.allocator.num_free == free
+    assert decode.load().holding == [] and not decode.puller.copying
+    assert decode.link.of(KvPulled) == [] and decode.link.of(TokenBatch) == []
+
+
+def test_an_abort_during_the_transfer_ends_it_and_frees_the_pages(decode):
+    decode_export(decode, Script(stall_at=TransferState.PREPARING))
+    free = decode.allocator.num_free
+    decode._on_task(task([1]))
+    decode._on_abort(Abort("r1"))
+    decode.step()
+    assert decode.allocator.num_free == free and decode.load().holding == []
+    assert decode.link.sent == [] and not decode.puller.copying
