@@ -127,7 +127,7 @@ class ModelFingerprint:
 class Register:
     worker_id: str
     role: Role
-    protocol_version: int      # PROTOCOL_VERSION of the worker's code
+    protocol_version: int      # PROTOCOL_VERSION of the worker's code; the third field in every version
     incarnation: str           # random per process start: a pid repeats across containers
     pid: int                   # for operators' logs only
     total_pages: int

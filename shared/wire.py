@@ -51,16 +51,7 @@ def unpack_page_ids(packed: bytes) -> memoryview:
 
 
 def decode(frame: bytes) -> object:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        raw = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, use_list=True,
-            max_bin_len=MAX_FRAME_BYTES, max_str_len=MAX_STR_BYTES,
-            max_array_len=MAX_ARRAY_LEN, max_map_len=1024, max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise WireError(f"not msgpack: {exc}") from None
+    raw = _unpack(frame)
     if not isinstance(raw, list) or not raw or type(raw[0]) is not int:
         raise WireError("frame is not [kind, ...]")
     try:
@@ -68,6 +59,31 @@ def decode(frame: bytes) -> object:
     except ValueError:
         raise WireError(f"unknown message kind {raw[0]}") from None
     return _build(cls, raw[1:], cls.__name__)
+
+
+def claimed_protocol_version(frame: bytes) -> int | None:
+    """The version a Register that does not decode claims (its third field in every version), so
+    that the router can refuse a worker of another version with the reason instead of ignoring it."""
+    try:
+        raw = _unpack(frame)
+    except WireError:
+        return None
+    if isinstance(raw, list) and len(raw) > 3 and raw[0] == MsgKind.REGISTER and type(raw[3]) is int:
+        return raw[3]
+    return None
+
+
+def _unpack(frame: bytes) -> object:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return msgpack.unpackb(
+            frame, raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=MAX_FRAME_BYTES, max_str_len=MAX_STR_BYTES,
+            max_array_len=MAX_ARRAY_LEN, max_map_len=1024, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise WireError(f"not msgpack: {exc}") from None
 
 
 def _to_plain(obj: object) -> list:

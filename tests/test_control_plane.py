@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import msgpack
 import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -20,7 +21,7 @@ from shared import wire
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_hf_config
 from shared.messages import (EXIT_REFUSED, Abort, DecodeTask, ErrorCode, Failed, FinishReason, KvPulled, KvReady,
-                             ModelFingerprint, PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch,
+                             ModelFingerprint, MsgKind, PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch,
                              TokenOut)
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer
@@ -309,3 +310,15 @@ def test_a_worker_of_another_protocol_version_is_refused_with_the_reason(router_
         assert "prefill-old" not in {w.worker_id for w in stack.workers()}
     finally:
         old.close()
+
+
+def test_a_worker_whose_register_this_router_cannot_read_is_refused_by_its_version(router_and_peers):
+    """A newer worker's Register has fields this router does not know: it still hears why."""
+    stack, peers = router_and_peers
+    newer = ProtocolPeer(f"ipc://{stack.workdir}/run/router.ipc", "prefill-new", Role.PREFILL,
+                         peers["prefill"].fingerprint)
+    try:
+        newer.socket.send(msgpack.packb([int(MsgKind.REGISTER), "prefill-new", "prefill", 3, "a-field-of-v3"]))
+        assert "protocol version 3" in newer.receive(Refused).reason
+    finally:
+        newer.close()

@@ -231,6 +231,9 @@ class TokenRouter:
                 message = wire.decode(payload)
             except wire.WireError as exc:
                 log.warning("dropped malformed frame", error=str(exc), size=len(payload), peer=identity[:64])
+                version = wire.claimed_protocol_version(payload)
+                if version is not None and version != PROTOCOL_VERSION:
+                    self._reply(Peer(identity, None, None), Refused(_version_refusal(version)))
                 continue
             user_id = self._user_id(frames[1])
             worker = self.registry.by_identity(identity)
@@ -296,8 +299,7 @@ class TokenRouter:
     def _refusal(self, peer: Peer, message: Register) -> str:
         """Why this worker may not join, or "" if it may."""
         if message.protocol_version != PROTOCOL_VERSION:
-            return (f"protocol version {message.protocol_version}, but this router speaks {PROTOCOL_VERSION}: "
-                    "run the same pdserve release everywhere")
+            return _version_refusal(message.protocol_version)
         if message.page_size != self.config.kv.page_size:
             return f"KV page size {message.page_size}, but this router's kv.page_size is {self.config.kv.page_size}"
         if (message.role == Role.PREFILL) != (message.pool is not None):
@@ -445,3 +447,7 @@ class TokenRouter:
                 self._send(decode, PoolGone(worker.worker_id))
         self._on_workers_changed(self.serving())
         self.admission.admit_waiting()
+
+
+def _version_refusal(version: int) -> str:
+    return f"protocol version {version}, but this router speaks {PROTOCOL_VERSION}: run one pdserve release everywhere"
