@@ -18,11 +18,11 @@ import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 from shared import wire
-from shared.model.fingerprint import model_fingerprint
-from shared.model.loader import load_hf_config
 from shared.messages import (EXIT_REFUSED, Abort, DecodeTask, ErrorCode, Failed, FinishReason, KvPulled, KvReady,
                              ModelFingerprint, MsgKind, PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch,
                              TokenOut)
+from shared.model.fingerprint import model_fingerprint
+from shared.model.loader import load_hf_config
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer
 from tests.stack import ServiceStack
