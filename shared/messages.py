@@ -73,6 +73,7 @@ class MsgKind(IntEnum):
     DRAIN = 20
     DRAINING = 21
     DRAINED = 22
+    KV_CACHE_EVENTS = 23
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,16 @@ class PoolGone:
 
 
 @dataclass(frozen=True)
+class KvCacheEvents:
+    """A prefill's prefix cache changed (shared/prefix_hash.py keys): sent in batches, at most
+    every few milliseconds, so the router routes by what each prefill really holds."""
+    worker_id: str
+    stored: list[str]   # page keys now cached
+    evicted: list[str]  # page keys no longer cached
+    cleared: bool       # the cache was emptied first (a restart, a new router): forget all its keys
+
+
+@dataclass(frozen=True)
 class PrefillTask:
     request_id: str
     prompt_token_ids: list[int]
@@ -220,6 +231,7 @@ class KvReady:
     queued_s: float              # from the router sending the task to its prefill starting
     compute_s: float             # prompt forward pass and sampling
     ready_at: float              # wall clock (time.time) when the KV was complete: starts the handoff
+    cached_tokens: int           # prompt tokens whose KV came from the prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -296,4 +308,5 @@ MESSAGE_TYPES: dict[MsgKind, type] = {
     MsgKind.DRAIN: Drain,
     MsgKind.DRAINING: Draining,
     MsgKind.DRAINED: Drained,
+    MsgKind.KV_CACHE_EVENTS: KvCacheEvents,
 }

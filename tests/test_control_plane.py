@@ -275,7 +275,7 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
         task = prefill.receive(PrefillTask)
         rid = task.request_id
         prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None,
-                             0.0, 0.0, time.time()))
+                             0.0, 0.0, time.time(), 0))
         assert decode.receive(DecodeTask).request_id == rid
         # Forgeries: the other decode, and the prefill speaking as a decode.
         other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)], time.time()))

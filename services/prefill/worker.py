@@ -129,5 +129,5 @@ class PrefillWorker(WorkerLoop):
         finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
         self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(pages), len(prompt), token,
-                               finish_reason, queued_s, compute_s, time.time()))
+                               finish_reason, queued_s, compute_s, time.time(), 0))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)

@@ -64,6 +64,7 @@ class StageTimings:
     kv_handoff_s: float = 0.0
     decode_queue_s: float = 0.0
     first_decode_step_s: float = 0.0
+    cached_prompt_tokens: int = 0  # not a time: the prompt tokens the prefill took from its cache
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -362,6 +362,7 @@ class TokenRouter:
         prefill.pending_tokens.pop(request.request_id, None)
         timings = request.timings
         timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
+        timings.cached_prompt_tokens = message.cached_tokens
         timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
         metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + message.queued_s)
         request.clock.kv_ready_at = message.ready_at

@@ -1,0 +1,23 @@
+"""The keys of a prompt's full KV pages, as the prefix cache stores them and the router routes by them.
+
+A page's key covers every token before its end: key(i) = hash(key(i-1), the page's tokens), so two
+prompts share the key of page i exactly when they share their first (i+1) * page_size tokens. The
+hash is BLAKE2b over fixed-width bytes, the same in every process (Python's hash() is salted per
+process). A partly filled last page has no key: only full pages are cached and shared.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+
+DIGEST_BYTES = 16  # 128 bits: a collision would hand one prompt another's KV, so not fewer
+
+
+def page_keys(token_ids: list[int], page_size: int) -> list[str]:
+    keys, parent = [], b""
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        tokens = array.array("q", token_ids[start:start + page_size]).tobytes()
+        parent = hashlib.blake2b(parent + tokens, digest_size=DIGEST_BYTES).digest()
+        keys.append(parent.hex())
+    return keys
