@@ -169,6 +169,9 @@ class PrefillConfig:
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
     chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # Keep the KV of finished prompts as a cache of full pages and compute only what a new prompt
+    # does not share with one before (services/prefill/prefix_cache.py); false: every prompt whole.
+    prefix_cache: bool = True
     # Unused by services.colocated, whose one endpoint is decode.metrics_address.
     metrics_address: str = _http_address("127.0.0.1:9401")
 
