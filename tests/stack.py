@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-from pdserve.v1 import generation_pb2
-
 from services.stack.local import SERVICES, LocalStack, free_port
 from services.supervisor import REPO
 
@@ -13,9 +11,6 @@ __all__ = ["REPO", "SERVICES", "ServiceStack", "free_port"]
 
 
 class ServiceStack(LocalStack):
-    def workers(self) -> list:
-        return list(self.stub.ListWorkers(generation_pb2.ListWorkersRequest(), timeout=5).workers)
-
     def wait_worker_gone(self, role: str, timeout_s: float = 15.0) -> float:
         """Seconds until the router no longer lists a worker of that role."""
         started = time.monotonic()

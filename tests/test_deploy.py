@@ -187,7 +187,7 @@ def test_workers_are_instances_with_gpu_access_after_the_router(role):
     name = WORKERS[role]
     unit = directives(name)
     assert environment(name)[f"PDSERVE_{role.upper()}_WORKER_ID"] == f"{role}-%i"
-    assert unit["Service.EnvironmentFile"] == ["/etc/pdserve/pdserve.env", f"-/etc/pdserve/{role}-%i.env"]
+    assert unit["Service.EnvironmentFile"] == ["/etc/pdserve/pdserve.env", f"/etc/pdserve/{role}-%i.env"]
     assert unit["Service.DevicePolicy"] == ["closed"]
     assert {"char-nvidia rw", "char-nvidiactl rw", "char-nvidia-uvm rw"} <= set(unit["Service.DeviceAllow"])
     assert unit["Service.LimitMEMLOCK"] == ["infinity"]
@@ -195,9 +195,24 @@ def test_workers_are_instances_with_gpu_access_after_the_router(role):
     assert "pdserve-router.service" in " ".join(unit["Unit.Wants"])
 
 
-def test_decode_affinity_matches_the_cores_it_pins_to():
-    name = WORKERS["decode"]
-    assert directives(name)["Service.CPUAffinity"] == [environment(name)["PDSERVE_DECODE_CPU_CORES"]]
+def env_file(name: str) -> dict[str, str]:
+    lines = (line.partition("=") for line in (UNIT_DIR / name).read_text().splitlines() if "=" in line)
+    return {key.strip(): value.strip() for key, _, value in lines if not key.startswith("#")}
+
+
+def test_each_instance_takes_its_cores_port_and_gpu_from_its_own_file():
+    """Nothing the template or the shared file sets could give two instances the same cores or port."""
+    own = {role: [f"PDSERVE_{role.upper()}_CPU_CORES", f"PDSERVE_{role.upper()}_METRICS_ADDRESS",
+                  "PDSERVE_MODEL_DEVICE"] for role in WORKERS}
+    shared = env_file("pdserve.env.example")
+    for role, name in WORKERS.items():
+        assert "Service.CPUAffinity" not in directives(name)
+        assert not set(own[role][:2]) & (set(environment(name)) | set(shared))
+        assert set(own[role]) <= set(env_file(f"{role}-0.env.example"))
+    prefill, decode = env_file("prefill-0.env.example"), env_file("decode-0.env.example")
+    cores = [set(parse_cores(env[f"PDSERVE_{role.upper()}_CPU_CORES"])) for role, env in zip(WORKERS, (prefill, decode))]
+    assert not cores[0] & cores[1]
+    assert prefill["PDSERVE_PREFILL_METRICS_ADDRESS"] != decode["PDSERVE_DECODE_METRICS_ADDRESS"]
 
 
 def test_colocated_runs_its_instances_two_workers_on_disjoint_cores_of_its_affinity():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -330,3 +331,141 @@ def test_dead_peers_leak_no_device_memory(tmp_path):
         survivor.kill()
         survivor.wait()
     exported.close()
+
+
+# ---- placement: a decode on another GPU than its prefill, many workers on one GPU ----
+
+_PULL_THROUGH_PEER_ACCESS = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from services.decode.handoff import HandoffError, KvPuller
+    from shared import wire
+    from shared.device import select_device
+    from shared.kv_pool import allocate_local_pool, make_layout
+    from shared.kv_transfer import cuda_ipc
+    from shared.messages import DecodeTask, SamplingParams, StopParams
+
+    handle_file, device, other = sys.argv[1], select_device(sys.argv[2]), int(sys.argv[3])  # as a worker starts
+    handle = wire.decode(Path(handle_file).read_bytes()).pool
+    shape = handle.layout
+    local, _ = allocate_local_pool(make_layout(shape.num_layers, 129, shape.page_size, shape.num_kv_heads,
+                                               shape.head_dim, torch.bfloat16), device)
+    if other >= 0:  # pretend the pool is on GPU `other`, to run the peer-access path on one GPU
+        cuda_ipc.device_index_of = lambda uuid: other
+        answers, asked = [False, True], []
+        torch.cuda.can_device_access_peer = lambda a, b: asked.append((a, b)) or answers[len(asked) - 1]
+    puller = KvPuller(local, 128)
+    if other >= 0:
+        try:
+            puller.map_pool("prefill-test", handle)
+            sys.exit("mapped without peer access")
+        except HandoffError as exc:
+            assert f"has no peer access to cuda:{other}" in str(exc), exc
+    puller.map_pool("prefill-test", handle)
+    if other >= 0:
+        assert asked == [(device.index, other)] * 2, asked
+    task = DecodeTask("r", "prefill-test", wire.pack_page_ids(list(range(100, 228))), 16 * 128, 7,
+                      SamplingParams(0, 1, 0, 0), StopParams(4, True))
+    puller.pull(task, list(range(128)))
+    torch.cuda.synchronize(device)
+    assert [t.request_id for t in puller.landed()] == ["r"]
+    print(local.kv[:, :128].view(torch.int16).double().sum().item())
+""")
+
+
+def _pull_in_a_child(tmp_path, device: str, pretend_other: int) -> tuple[float, float]:
+    """Pages 100-227 of a pool exported here on cuda:0, pulled by a decode process on `device`:
+    the checksum it saw, and ours."""
+    from shared import wire
+    from shared.kv_transfer import export_pool
+
+    layout = make_layout(num_pages=256, page_size=16, **EIGHT_B_KV)
+    exported = export_pool(layout, "placement", "cuda:0")
+    exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape, device="cuda:0", dtype=torch.bfloat16))
+    expected = exported.pool.kv[:, 100:228].view(torch.int16).double().sum().item()
+    torch.cuda.synchronize()
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    out = subprocess.run([sys.executable, "-c", _PULL_THROUGH_PEER_ACCESS, str(tmp_path / "handle"), device,
+                          str(pretend_other)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    exported.close()
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.split()[-1]), expected
+
+
+def test_the_peer_access_path_pulls_bit_identical_pages_on_one_gpu(tmp_path):
+    """The cross-GPU code path (the exporter's GPU found by UUID elsewhere, peer access checked,
+    the handle opened on the decode's own device) run with both sides on cuda:0: refused without
+    peer access, then the same batched copy as on one GPU."""
+    pulled, expected = _pull_in_a_child(tmp_path, "cuda:0", pretend_other=1)
+    assert pulled == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0),
+                    reason="needs two GPUs with peer access")
+def test_a_decode_on_another_gpu_pulls_over_peer_access(tmp_path):
+    pulled, expected = _pull_in_a_child(tmp_path, "cuda:1", pretend_other=-1)
+    assert pulled == expected
+
+
+def test_the_exporters_gpu_is_found_by_uuid():
+    from shared.device import device_uuid
+    from shared.kv_transfer import TransferError
+    from shared.kv_transfer.cuda_ipc import device_index_of
+
+    assert device_index_of(device_uuid(torch.device("cuda:0"))) == 0
+    with pytest.raises(TransferError, match="is not visible to this process"):
+        device_index_of("GPU-00000000-0000-0000-0000-000000000000")
+
+
+def test_a_worker_on_a_gpu_other_than_the_first_runs_there():
+    """Everything the worker queues without naming a device goes to its own (select_device)."""
+    from shared.device import on_stream, select_device, worker_stream
+
+    device = select_device(f"cuda:{torch.cuda.device_count() - 1}")
+    assert torch.cuda.current_device() == device.index
+    with on_stream(worker_stream(device, high_priority=True)):
+        assert torch.cuda.current_stream().device == device
+    select_device("cuda:0")
+
+
+EIGHT_B_STACK = {"PDSERVE_MODEL_PATH": "random:llama-3.1-8b", "PDSERVE_MODEL_DEVICE": "cuda:0",
+                 "PDSERVE_MODEL_DTYPE": "bfloat16", "PDSERVE_KV_PREFILL_PAGES": "1024",
+                 "PDSERVE_KV_DECODE_PAGES": "2048", "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1,2,4,8"}
+
+
+@pytest.mark.parametrize("prefill, decode", [(2, 1), (1, 2)], ids=["2 prefills 1 decode", "1 prefill 2 decodes"])
+def test_many_workers_of_the_8b_shape_on_one_gpu(tmp_path, prefill, decode):
+    """All registered; concurrent requests through every pair; then the first worker of the role
+    that has two drains away, and the other serves alone. Two decodes share prefill-0's weights;
+    two prefills each hold their own (the decode would exit with the prefill it maps them from)."""
+    import signal
+
+    from pdserve.v1 import generation_pb2
+
+    from tests.conftest import CACHE_DIR
+    from tests.stack import ServiceStack
+
+    settings = {**EIGHT_B_STACK, "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if decode > 1 else ""}
+    prompts = [[(97 * i + 13 * j) % 128000 + 1 for j in range(500 + 300 * i)] for i in range(8)]
+
+    def generate(prompt: list[int]) -> list[int]:
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0,
+                                                 ignore_eos=True)
+        return [t for chunk in stack.stub.Generate(request, timeout=300) for t in chunk.token_ids]
+
+    with ServiceStack(tmp_path, CACHE_DIR, prefill=prefill, decode=decode, start_timeout_s=900, **settings) as stack:
+        expected = {f"prefill-{i}" for i in range(prefill)} | {f"decode-{i}" for i in range(decode)}
+        assert {w.worker_id for w in stack.workers()} == expected
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert [len(ids) for ids in pool.map(generate, prompts)] == [16] * len(prompts)
+        first = generate(prompts[0])
+        role = "prefill" if prefill > 1 else "decode"
+        stack.signal(role, signal.SIGTERM)  # its first worker drains and exits 0
+        assert stack.processes[role].wait(timeout=120) == 0
+        while f"{role}-0" in {w.worker_id for w in stack.workers()}:
+            time.sleep(0.1)
+        again = generate(prompts[0])
+        if role == "prefill":  # the same decode, fed by the other prefill
+            assert again == first
+        assert len(again) == 16
+        stack.assert_pools_drained()

@@ -1,10 +1,13 @@
-"""python -m services.stack: router, prefill and decode as three processes under one supervisor.
+"""python -m services.stack [--prefill N] [--decode M] [--devices "prefill=0,1 decode=2,3"]: the
+router and N prefill and M decode workers (stack.* in the config; one of each by default), each a
+process of its own under one supervisor.
 
-Every service gets this command's arguments (--config, --model-path, ...). One that dies is
+Every service gets this command's arguments (--config, --model-path, ...), and each worker its
+own id, metrics port, cores and GPU on top (services/stack/topology.py). One that dies is
 restarted with a backoff, and one that crash-loops or is refused by the router stops the stack
-with exit code 1 (services/supervisor.py). Ctrl-C or SIGTERM stops all three (SIGTERM, then
-SIGKILL after the grace period) and exits 0. Each service dies with its parent
-(shared.process.die_with_parent), so none is orphaned even if this one is killed.
+with exit code 1; Ctrl-C or SIGTERM stops them all (Supervisor.stop) and exits 0. Each service
+dies with its parent (shared.process.die_with_parent), so none is orphaned even if this one is
+killed.
 """
 
 from __future__ import annotations
@@ -12,22 +15,34 @@ from __future__ import annotations
 import signal
 import sys
 
+import structlog
+
+from services.stack.topology import plan_workers
 from services.supervisor import RestartPolicy, Service, Supervisor
-from shared.config import parse_service_config
+from shared.config import ConfigError, parse_service_config
 from shared.log import configure_logging
 
-SERVICES = ("router", "prefill", "decode")
+log = structlog.get_logger()
 
 
 def main() -> int:
-    # A bad flag or config stops here with its reason, before three services crash-loop on it.
+    # A bad flag or config stops here with its reason, before the services crash-loop on it.
     config = parse_service_config("stack")
     configure_logging("stack", "stack", config.log.format, config.log.level)
+    try:
+        workers = plan_workers(config)
+    except ConfigError as exc:
+        print(f"python -m services.stack: error: {exc}", file=sys.stderr)
+        return 2
     supervisor = Supervisor()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.request_stop())
-    for name in SERVICES:
-        supervisor.start(Service(name, f"services.{name}", tuple(sys.argv[1:])))
+    args = tuple(sys.argv[1:])
+    supervisor.start(Service("router", "services.router", args))
+    for worker in workers:
+        log.info("starting worker", worker=worker.name, device=worker.device, cores=list(worker.cores),
+                 metrics=worker.metrics_address)
+        supervisor.start(Service(worker.name, f"services.{worker.role.value}", (*args, *worker.args())))
     return 0 if supervisor.supervise(RestartPolicy()) is None else 1
 
 
