@@ -135,6 +135,15 @@ class RoutingConfig:
     # A decode's cost is its requests in flight plus this times the share of its pages promised
     # away: 4 means a decode whose pool is all promised counts like one with four more requests.
     decode_kv_weight: float = field(default=4.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # Prefills are weighed by their prefix caches (the page keys each reports): a prompt's cost on
+    # a prefill counts only the tokens it would still compute there, times prefix_weight, on top of
+    # the prompt tokens queued there. false: by queued prompt tokens alone.
+    prefix_aware: bool = True
+    prefix_weight: float = field(default=1.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # When the prefills' queues differ by more than this many prompt tokens, the cache is ignored
+    # and the least loaded takes the prompt (SGLang's load-imbalance escape): a hot prefix must
+    # not pile every request onto one prefill.
+    balance_tokens: int = _positive(default=32768)
 
 
 @dataclass

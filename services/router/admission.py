@@ -111,8 +111,7 @@ class Admission:
         self.on_placed(request)
         return True
 
-    @staticmethod
-    def _reserve_prefill(request: InflightRequest, prefill: Worker, pages: int) -> None:
+    def _reserve_prefill(self, request: InflightRequest, prefill: Worker, pages: int) -> None:
         request.prefill = prefill
         prefill.reservations[request.request_id] = pages
-        prefill.pending_tokens[request.request_id] = len(request.job.prompt_token_ids)
+        prefill.pending_tokens[request.request_id] = self.policy.tokens_to_compute(prefill, request)

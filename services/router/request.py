@@ -25,6 +25,7 @@ from enum import Enum
 from services.router.validation import Job
 from services.router.workers import Worker
 from shared.messages import ErrorCode, FinishReason
+from shared.prefix_hash import page_keys
 
 
 class RequestError(Exception):
@@ -103,6 +104,7 @@ class InflightRequest:
     submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
     deadline: float = float("inf")  # time.monotonic() by which the current stage must move on
     failed_on: set[str] = field(default_factory=set)  # prefills it failed on, before its first token
+    _page_keys: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -110,6 +112,12 @@ class InflightRequest:
     def enter(self, stage: Stage, timeout_s: float) -> None:
         self.stage = stage
         self.deadline = time.monotonic() + timeout_s
+
+    def page_keys(self, page_size: int) -> list[str]:
+        """The prompt's full pages' keys (shared/prefix_hash.py), hashed once, when routing first asks."""
+        if self._page_keys is None:
+            self._page_keys = page_keys(self.job.prompt_token_ids, page_size)
+        return self._page_keys
 
     def holder(self) -> Worker | None:
         """The worker that has the request in its current stage."""

@@ -38,8 +38,9 @@ from shared import metrics, wire
 from shared.config import Config
 from shared.dispatch import Dispatcher
 from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, Drain, Drained, Draining, ErrorCode,
-                             Failed, Heartbeat, KvPulled, KvReady, ModelFingerprint, PoolAvailable, PoolGone,
-                             PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister, Role, TokenBatch)
+                             Failed, Heartbeat, KvCacheEvents, KvPulled, KvReady, ModelFingerprint, PoolAvailable,
+                             PoolGone, PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister, Role,
+                             TokenBatch)
 from shared.model import fingerprint
 from shared.zmq_security import secure_server
 
@@ -71,8 +72,8 @@ class TokenRouter:
         self.settings = config.router
         self.epoch = secrets.token_hex(8)
         self.registry = WorkerRegistry()
-        self.admission = Admission(self.registry, RoutingPolicy(config.routing), config.router, config.kv.page_size,
-                                   self._start_prefill)
+        self.admission = Admission(self.registry, RoutingPolicy(config.routing, config.kv.page_size), config.router,
+                                   config.kv.page_size, self._start_prefill)
         self.requests: dict[str, InflightRequest] = {}  # by the router's own request ids
         self.handoffs: dict[str, Handoff] = {}
         metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission.waiting))
@@ -93,7 +94,7 @@ class TokenRouter:
         self.dispatch = Dispatcher({
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
             KvPulled: self._on_kv_pulled, TokenBatch: self._on_token_batch, Failed: self._on_failed,
-            Deregister: self._on_deregister, Draining: self._on_draining,
+            Deregister: self._on_deregister, Draining: self._on_draining, KvCacheEvents: self._on_kv_cache_events,
         })
 
     async def start(self) -> None:
@@ -324,6 +325,15 @@ class TokenRouter:
             log.info("worker draining", worker=worker.worker_id, requests=len(worker.reservations))
             worker.draining = True
             self._on_workers_changed(self.serving())
+
+    def _on_kv_cache_events(self, peer: Peer, message: KvCacheEvents) -> None:
+        prefill = peer.worker
+        if prefill is None or prefill.role != Role.PREFILL or prefill.worker_id != message.worker_id:
+            return
+        if message.cleared:
+            prefill.cached_keys.clear()
+        prefill.cached_keys.difference_update(message.evicted)
+        prefill.cached_keys.update(message.stored)
 
     def _on_deregister(self, peer: Peer, message: Deregister) -> None:
         if peer.worker is not None and peer.worker.worker_id == message.worker_id:

@@ -27,6 +27,7 @@ class Worker:
     # Prompt tokens placed on a prefill and not prefilled yet, by request id: its queue, in work.
     pending_tokens: dict[str, int] = field(default_factory=dict)
     draining: bool = False    # takes no new work (services/router/routing.py skips it)
+    cached_keys: set[str] = field(default_factory=set)  # a prefill's prefix cache, as its KvCacheEvents say
     free_pages: int = 0       # as the worker last reported
     running: int = 0
     waiting: int = 0

@@ -1,0 +1,74 @@
+"""The routing policy's costs (services/router/routing.py) on the router's own worker records."""
+
+from __future__ import annotations
+
+from services.router.request import InflightRequest
+from services.router.routing import RoutingPolicy
+from services.router.validation import Job
+from services.router.workers import Worker
+from shared.config import RoutingConfig
+from shared.messages import ModelFingerprint, Role, SamplingParams, StopParams
+from shared.prefix_hash import page_keys
+
+PAGE = 16
+FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
+
+
+def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> Worker:
+    return Worker(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, None, FINGERPRINT)
+
+
+def _request(tokens: list[int], max_tokens: int = 8) -> InflightRequest:
+    job = Job(tokens, SamplingParams(0.0, 1.0, 0, 1), StopParams(max_tokens, False), [])
+    return InflightRequest(job)
+
+
+def test_a_prefill_is_chosen_by_queued_prompt_tokens_not_by_request_count():
+    busy, idle = _worker("prefill-0"), _worker("prefill-1")
+    busy.pending_tokens["long"] = 8192
+    idle.pending_tokens.update({f"short-{i}": 100 for i in range(5)})  # five requests, fewer tokens
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_prefill([busy, idle], _request(list(range(64))), 4) is idle
+
+
+def test_a_cached_prefix_draws_the_prompt_unless_the_queues_are_too_uneven():
+    prompt = list(range(40, 40 + 20 * PAGE + 5))
+    cached, cold = _worker("prefill-0"), _worker("prefill-1")
+    cached.cached_keys.update(page_keys(prompt, PAGE)[:15])
+    cached.pending_tokens["other"] = 200  # some load, less than the 240 tokens its cache saves
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.tokens_to_compute(cached, _request(prompt)) == len(prompt) - 15 * PAGE
+    assert policy.pick_prefill([cold, cached], _request(prompt), 4) is cached
+    cached.pending_tokens["other"] = 40_000  # past balance_tokens: load alone decides
+    assert policy.pick_prefill([cold, cached], _request(prompt), 4) is cold
+    blind = RoutingPolicy(RoutingConfig(prefix_aware=False), PAGE)
+    cached.pending_tokens["other"] = 200
+    assert blind.pick_prefill([cold, cached], _request(prompt), 4) is cold
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_page():
+    prompt = list(range(3 * PAGE))
+    worker = _worker("prefill-0")
+    worker.cached_keys.update(page_keys(prompt, PAGE))
+    assert RoutingPolicy(RoutingConfig(), PAGE).tokens_to_compute(worker, _request(prompt)) == PAGE
+
+
+def test_a_decode_is_chosen_by_requests_in_flight_and_promised_pages():
+    crowded, roomy = _worker("decode-0", Role.DECODE), _worker("decode-1", Role.DECODE)
+    crowded.reservations.update({"a": 1, "b": 1, "c": 1})
+    roomy.reservations["d"] = 90  # one request, but 90% of its pool promised: 1 + 4 * 0.9 > 3 + 4 * 0.03
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_decode([crowded, roomy], _request([1, 2, 3]), 5) is crowded
+    assert RoutingPolicy(RoutingConfig(decode_kv_weight=0.0), PAGE).pick_decode(
+        [crowded, roomy], _request([1, 2, 3]), 5) is roomy
+
+
+def test_draining_full_and_failed_workers_are_no_candidates():
+    draining, full, failed, fine = (_worker(f"prefill-{i}") for i in range(4))
+    draining.draining = True
+    full.reservations["x"] = 99
+    request = _request([1, 2, 3])
+    request.failed_on.add("prefill-2")
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_prefill([draining, full, failed, fine], request, 2) is fine
+    assert policy.pick_prefill([draining, full, failed], request, 2) is None
