@@ -21,6 +21,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from services.router.detokenizer import IncrementalText
+from services.router.generation import generate_input
 from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape, tokenize
 from shared.config import Config, parse_service_config
 from shared.log import configure_logging
@@ -65,8 +66,9 @@ class TransformersGeneration(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         try:
-            check_request_shape(request, self.limits)
-            job = build_job(request, tokenize(request, self.tokenizer), self.limits)
+            given = generate_input(request)
+            check_request_shape(given, self.limits)
+            job = build_job(given, tokenize(given, self.tokenizer), self.limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         async with self.turn:

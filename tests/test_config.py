@@ -161,8 +161,8 @@ def test_example_file_loads_with_the_values_it_states():
               for key, value in table.items()}
     assert {setting: getattr(getattr(config, setting[0]), setting[1]) for setting in stated} == stated
     # `make run` starts all three services from this file on one host: each needs its own ports.
-    ports = [config.router.grpc_address, config.router.metrics_address, config.prefill.metrics_address,
-             config.decode.metrics_address]
+    ports = [config.router.grpc_address, config.router.http_address, config.router.metrics_address,
+             config.prefill.metrics_address, config.decode.metrics_address]
     assert len(set(ports)) == len(ports), ports
 
 

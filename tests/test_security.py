@@ -1,5 +1,5 @@
 """Security: CURVE on a tcp:// ZeroMQ socket, each key bound to its worker ids, TLS and a bearer
-token on gRPC, no pickle or eval.
+token on gRPC and HTTP, no pickle or eval.
 
 The promises are checked against the real processes and sockets (tests.stack.ServiceStack): two
 stacks (CURVE, TLS + token), a worker whose key does not grant its id, and two processes that
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import http.client
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -375,6 +379,21 @@ def test_client_flags_tls_ca_and_token_file(tls_stack):
     assert served.returncode == 0 and "3 generated" in served.stderr, served.stderr
     refused = client(*ca)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_openai_api_takes_the_same_tls_and_token(tls_stack):
+    tls = ssl.create_default_context(cafile=str(tls_stack.workdir / "cert.pem"))
+    url = f"https://{tls_stack.env['PDSERVE_ROUTER_HTTP_ADDRESS']}/v1/models"
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"}),
+                                context=tls, timeout=10) as response:
+        assert response.status == 200
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(url, context=tls, timeout=10)
+    assert error.value.code == 401
+    with pytest.raises((OSError, http.client.HTTPException)):  # plaintext to the TLS port
+        urllib.request.urlopen(url.replace("https://", "http://"), timeout=10)
 
 
 # ---- no pickle, eval or exec ----

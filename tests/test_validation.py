@@ -6,16 +6,19 @@ import math
 import pytest
 from pdserve.v1 import generation_pb2 as pb
 
-from services.router.validation import InvalidRequest, ModelLimits, build_job, check_request_shape
+from services.router.generation import generate_input
+from services.router.validation import GenerateInput, InvalidRequest, ModelLimits, build_job, check_request_shape
 from shared.config import RouterConfig
 
 LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)
 PROMPT_IDS = [5, 6, 7, 8]
 
 
-def request(**fields) -> pb.GenerateRequest:
+def request(**fields) -> GenerateInput:
+    """As the gRPC front fills it from a GenerateRequest."""
     messages = fields.pop("messages", [])
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages], **fields)
+    return generate_input(pb.GenerateRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                                             **fields))
 
 
 def job(**fields):
@@ -164,3 +167,9 @@ def test_prompt_bytes_default_to_the_configs():
     with pytest.raises(InvalidRequest, match=f"above router.max_prompt_bytes \\({limit}\\)"):
         check_request_shape(request(prompt="x" * (limit + 1)), LIMITS)
     assert LIMITS.max_prompt_bytes == limit
+
+
+def test_a_negative_max_tokens_gets_the_message_of_zero():
+    """The OpenAI front's JSON can carry what GenerateRequest's unsigned field cannot."""
+    with pytest.raises(InvalidRequest, match="max_tokens must be at least 1"):
+        check_request_shape(GenerateInput(prompt="hi", max_tokens=-5), LIMITS)

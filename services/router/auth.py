@@ -1,9 +1,10 @@
-"""Who may call the router over gRPC: TLS for the channel, a bearer token for each call.
+"""Who may call the router, over gRPC or HTTP: TLS for the channel, a bearer token for each call.
 
 Both are optional (router.tls_cert_file/tls_key_file, router.auth_token_file/auth_token). With a
-token, every call must carry `authorization: Bearer <token>` or ends UNAUTHENTICATED before it
-reaches a servicer: Generation, ListWorkers and reflection alike. Only the health service stays
-open, for load balancers and probes that hold no token.
+token, every call must carry `authorization: Bearer <token>` or ends before it reaches a handler:
+UNAUTHENTICATED for Generation, ListWorkers and reflection alike, 401 for the OpenAI API
+(services/router/openai_api.py). Only health checks stay open, for load balancers and probes that
+hold no token.
 """
 
 from __future__ import annotations
@@ -31,23 +32,37 @@ async def _unauthenticated(request: bytes, context: grpc.aio.ServicerContext) ->
                         "'authorization: Bearer <token>')")
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+class BearerToken:
+    """The one check of an `authorization` value, gRPC metadata or HTTP header alike."""
+
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
+
+    def admits(self, authorization: str | bytes | None) -> bool:
+        if authorization is None:
+            return False
+        given = authorization.encode() if isinstance(authorization, str) else authorization
+        return hmac.compare_digest(given, self._expected)  # in constant time: no guessing it byte by byte
+
+
+def bearer_token(router: RouterConfig) -> BearerToken | None:
+    token = router.bearer_token()
+    return BearerToken(token) if token else None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: BearerToken):
+        self._token = token
         self._deny = grpc.unary_unary_rpc_method_handler(_unauthenticated)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_PREFIX) or self._authorized(details.invocation_metadata):
+        metadata = details.invocation_metadata or ()
+        if details.method.startswith(OPEN_PREFIX) or self._token.admits(
+                next((v for k, v in metadata if k == "authorization"), None)):
             return await continuation(details)
         return self._deny
 
-    def _authorized(self, metadata) -> bool:
-        value = next((v for k, v in metadata or () if k == "authorization"), None)
-        if value is None:
-            return False
-        return hmac.compare_digest(value.encode() if isinstance(value, str) else value, self._expected)
-
 
 def interceptors(router: RouterConfig) -> list[grpc.aio.ServerInterceptor]:
-    token = router.bearer_token()
+    token = bearer_token(router)
     return [BearerTokenInterceptor(token)] if token else []

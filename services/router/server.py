@@ -1,8 +1,9 @@
-"""The router process: gRPC front (Generation, health, reflection) and the token router.
+"""The router process: two fronts, gRPC (Generation, health, reflection) and the OpenAI-compatible
+HTTP API, over one request path (frontend.py) and the token router, all on one event loop.
 
 Health is SERVING only while at least one prefill and one decode are registered. Shutdown goes
-the gRPC way: health NOT_SERVING, stop taking calls, let in-flight streams finish for the
-grace period, then fail the rest explicitly.
+the gRPC way: health NOT_SERVING, both fronts stop taking calls and let in-flight streams finish
+for the grace period, then the token router stops and fails the rest explicitly.
 """
 
 from __future__ import annotations
@@ -17,18 +18,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from services.router.auth import interceptors, tls_credentials
+from services.router.admin import AdminService
+from services.router.auth import bearer_token, interceptors, tls_credentials
+from services.router.frontend import Frontend
 from services.router.generation import GenerationService
+from services.router.http_server import HttpServer
+from services.router.openai_api import create_app
 from services.router.token_router import TokenRouter
 from services.router.validation import ModelLimits
 from shared import metrics
 from shared.config import Config
+from shared.model.fingerprint import checkpoint_fingerprint
 from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
 from shared.process import SystemdNotify
 
 log = structlog.get_logger()
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 async def serve(config: Config) -> None:
@@ -47,25 +54,35 @@ async def serve(config: Config) -> None:
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(health_servicer.set(name, status))
 
-    router = TokenRouter(config, on_workers_changed)
+    router = TokenRouter(config, checkpoint_fingerprint(checkpoint, hf_config), on_workers_changed)
     on_workers_changed(False)
     server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
-    generation = GenerationService(router, tokenizer, limits, config.router.stall_timeout_s)
-    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    frontend = Frontend(router, tokenizer, limits, config.router.stall_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend), server)
+    generation_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = tls_credentials(config.router)
     if credentials is None:
         server.add_insecure_port(config.router.grpc_address)
     else:
         server.add_secure_port(config.router.grpc_address, credentials)
+    http = None
+    if config.router.http_address:
+        app = create_app(frontend, config.router.served_model_name or config.model.path,
+                         bearer_token(config.router), config.router.max_request_bytes)
+        http = HttpServer(app, config.router)
     await router.start()
     await server.start()
+    if http is not None:
+        http.start()
     metrics.serve(config.router.metrics_address, metrics.ROUTER)
-    log.info("router serving", grpc=config.router.grpc_address, zmq=config.router.zmq_endpoint())
+    log.info("router serving", grpc=config.router.grpc_address, http=config.router.http_address,
+             zmq=config.router.zmq_endpoint())
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,6 +100,8 @@ async def serve(config: Config) -> None:
     notify.stopping()
     log.info("router stopping", grace_s=config.router.grace_period_s)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.router.grace_period_s)
+    # Both fronts drain at once, each within the grace period; the token router goes last, so that
+    # no front hands it a request after it stopped.
+    await asyncio.gather(server.stop(config.router.grace_period_s), *([http.stop()] if http else []))
     await router.stop()
     log.info("router stopped")

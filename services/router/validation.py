@@ -1,4 +1,8 @@
-"""GenerateRequest -> a validated job, or InvalidRequest with a message that says what is wrong."""
+"""A request from either front -> a validated job, or InvalidRequest with a message that says what is wrong.
+
+Both fronts fill one GenerateInput (the gRPC front from its GenerateRequest, the OpenAI front from its
+JSON body), so the same input is refused by the same check with the same message, whichever way it came.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,29 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One request in the gRPC API's terms (proto/pdserve/v1/generation.proto, GenerateRequest, says
+    what each field means and its default); None is a field left unset."""
+    request_id: str = ""
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
     max_context: int
@@ -35,21 +62,21 @@ class Job:
     stop_strings: list[str]
 
 
-def _sampling(request) -> SamplingParams:
-    temperature = request.temperature if request.HasField("temperature") else 1.0
-    top_p = request.top_p if request.HasField("top_p") else 1.0
-    top_k = request.top_k if request.HasField("top_k") else 0
+def _sampling(request: GenerateInput) -> SamplingParams:
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    top_k = 0 if request.top_k is None else request.top_k
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not (0 < top_p <= 1):  # also refuses NaN
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 is off), got {top_k}")
-    seed = request.seed & 0x7FFF_FFFF_FFFF_FFFF if request.HasField("seed") else secrets.randbits(63)
+    seed = secrets.randbits(63) if request.seed is None else request.seed & 0x7FFF_FFFF_FFFF_FFFF
     return SamplingParams(float(temperature), float(top_p), int(top_k), seed)
 
 
-def _stop_strings(request) -> list[str]:
+def _stop_strings(request: GenerateInput) -> list[str]:
     stops = list(request.stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
@@ -58,22 +85,22 @@ def _stop_strings(request) -> list[str]:
     return stops
 
 
-def _prompt_bytes(request) -> int:
+def _prompt_bytes(request: GenerateInput) -> int:
     """What the input weighs before tokenizing: its text's UTF-8 bytes (a message's role too), or
     4 per token id (an int32)."""
-    if request.HasField("prompt"):
+    if request.prompt is not None:
         return len(request.prompt.encode())
     if request.messages:
         return sum(len(m.role) + len(m.content.encode()) for m in request.messages)
     return 4 * len(request.prompt_token_ids)
 
 
-def check_request_shape(request, limits: ModelLimits) -> None:
+def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
     """The checks that need no tokenizer: run before tokenizing, so bad input costs nothing."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     given = [name for name, present in (
-        ("prompt", request.HasField("prompt")),
+        ("prompt", request.prompt is not None),
         ("messages", len(request.messages) > 0),
         ("prompt_token_ids", len(request.prompt_token_ids) > 0),
     ) if present]
@@ -85,19 +112,19 @@ def check_request_shape(request, limits: ModelLimits) -> None:
     if size > limits.max_prompt_bytes:
         raise InvalidRequest(f"{given[0]}: {size} bytes, above router.max_prompt_bytes ({limits.max_prompt_bytes}); "
                              "text counts in UTF-8 bytes, a prompt token id as 4")
-    if request.HasField("prompt") and not request.prompt:
+    if request.prompt == "":
         raise InvalidRequest("prompt is empty")
     for message in request.messages:
         if message.role not in CHAT_ROLES:
             raise InvalidRequest(f"unknown chat role {message.role!r}; use one of {sorted(CHAT_ROLES)}")
-    if request.HasField("max_tokens") and request.max_tokens == 0:
+    if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1")
     _sampling(request)
     _stop_strings(request)
 
 
-def tokenize(request, tokenizer) -> list[int]:
-    if request.HasField("prompt"):
+def tokenize(request: GenerateInput, tokenizer) -> list[int]:
+    if request.prompt is not None:
         return tokenizer(request.prompt)["input_ids"]
     if request.messages:
         chat = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -106,7 +133,7 @@ def tokenize(request, tokenizer) -> list[int]:
     return list(request.prompt_token_ids)
 
 
-def build_job(request, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
+def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
     check_request_shape(request, limits)
     if not prompt_token_ids:
         raise InvalidRequest("the prompt tokenizes to no tokens")
@@ -117,9 +144,9 @@ def build_job(request, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
     if room < 1:
         raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
                              f"{limits.max_context}, leaving no room to generate")
-    if request.HasField("max_tokens") and request.max_tokens > limits.max_context:
+    if request.max_tokens is not None and request.max_tokens > limits.max_context:
         raise InvalidRequest(f"max_tokens {request.max_tokens} exceeds the model's context of {limits.max_context}")
-    wanted = request.max_tokens if request.HasField("max_tokens") else limits.default_max_tokens
+    wanted = limits.default_max_tokens if request.max_tokens is None else request.max_tokens
     return Job(
         prompt_token_ids=prompt_token_ids,
         sampling=_sampling(request),

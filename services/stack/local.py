@@ -84,6 +84,7 @@ class LocalStack:
         self.env = {
             **os.environ,
             "PDSERVE_ROUTER_GRPC_ADDRESS": self.address,
+            "PDSERVE_ROUTER_HTTP_ADDRESS": f"127.0.0.1:{free_port()}",
             "PDSERVE_ROUTER_RUNTIME_DIR": str(workdir / "run"),
             "PDSERVE_MODEL_CACHE_DIR": cache_dir,
             "PDSERVE_LOG_FORMAT": "json",
@@ -137,6 +138,11 @@ class LocalStack:
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI API's base URL, as the openai client takes it."""
+        return f"http://{self.env['PDSERVE_ROUTER_HTTP_ADDRESS']}/v1"
 
     def metrics_url(self, name: str) -> str:
         """The Prometheus endpoint of the router or of a worker this stack started."""

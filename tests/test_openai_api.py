@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package against the real stack,
+checked against what gRPC returns for the same input."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+
+import grpc
+import openai
+import psutil
+import pytest
+from pdserve.v1 import generation_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import CACHE_DIR
+from tests.stack import ServiceStack
+from tests.test_e2e_generation import CHATS, MAX_TOKENS, PROMPTS
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "openai-test-token"
+MODEL = "embedded"  # model.path, as router.served_model_name is unset
+
+
+PREFILL_PAGES = 16  # 256 tokens: room for every prompt here but the one that must not fit
+
+
+@pytest.fixture(scope="module")
+def token_stack(checkpoint, tmp_path_factory):
+    """A stack whose every call, gRPC and HTTP, must carry the bearer token."""
+    with ServiceStack(tmp_path_factory.mktemp("openai"), CACHE_DIR, PDSERVE_ROUTER_AUTH_TOKEN=TOKEN,
+                      PDSERVE_KV_PREFILL_PAGES=str(PREFILL_PAGES)) as stack:
+        yield stack
+        stack.assert_pools_drained()
+        codes = stack.stop()
+        assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"
+
+
+@pytest.fixture(scope="module")
+def client(token_stack) -> openai.OpenAI:
+    # No retries: a refusal must show as it is, not be tried again.
+    return openai.OpenAI(base_url=token_stack.http_url, api_key=TOKEN, max_retries=0, timeout=120)
+
+
+def _grpc(stack, **fields) -> generation_pb2.GenerateResponse:
+    """gRPC's whole answer as one response: all the text, the last chunk's finish reason and usage."""
+    messages = [generation_pb2.ChatMessage(**m) for m in fields.pop("messages", [])]
+    request = generation_pb2.GenerateRequest(messages=messages, **fields)
+    chunks = list(stack.stub.Generate(request, timeout=120, metadata=stack.bearer))
+    return generation_pb2.GenerateResponse(text="".join(c.text for c in chunks), finish_reason=chunks[-1].finish_reason,
+                                           usage=chunks[-1].usage)
+
+
+def _grpc_error(stack, **fields) -> str:
+    with pytest.raises(grpc.RpcError) as error:
+        _grpc(stack, **fields)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return error.value.details()
+
+
+def _chat(client, stream: bool, **fields) -> tuple[str, str, object]:
+    """(text, finish reason, usage) of a chat completion, streamed with include_usage or not."""
+    fields = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    if not stream:
+        answer = client.chat.completions.create(**fields)
+        return answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
+    chunks = list(client.chat.completions.create(**fields, stream=True, stream_options={"include_usage": True}))
+    *choices, last = chunks
+    assert last.choices == [] and all(c.usage is None for c in choices), "the usage comes alone, last"
+    assert choices[0].choices[0].delta.role == "assistant"
+    return ("".join(c.choices[0].delta.content for c in choices), choices[-1].choices[0].finish_reason, last.usage)
+
+
+def _completion(client, stream: bool, **fields) -> tuple[str, str, object]:
+    fields = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    if not stream:
+        answer = client.completions.create(**fields)
+        return answer.choices[0].text, answer.choices[0].finish_reason, answer.usage
+    *choices, last = list(client.completions.create(**fields, stream=True, stream_options={"include_usage": True}))
+    return "".join(c.choices[0].text for c in choices), choices[-1].choices[0].finish_reason, last.usage
+
+
+def _assert_same(http: tuple[str, str, object], expected: generation_pb2.GenerateResponse) -> None:
+    text, finish, usage = http
+    assert (text, finish) == (expected.text, expected.finish_reason)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected.usage.prompt_tokens,
+                                                              expected.usage.completion_tokens)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The prefix cache may hold any part of a prompt sent before (the same one went over the other front).
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_models_lists_the_served_model(client):
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_greedy_text_equals_grpc(token_stack, client, stream):
+    for chat in CHATS:
+        _assert_same(_chat(client, stream, messages=chat), _grpc(token_stack, messages=chat, max_tokens=MAX_TOKENS,
+                                                                 temperature=0))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_greedy_text_equals_grpc(token_stack, client, stream):
+    for prompt in PROMPTS:
+        _assert_same(_completion(client, stream, prompt=prompt),
+                     _grpc(token_stack, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0))
+    ids = [504, 3458, 260, 253, 1345, 30]  # a prompt as token ids
+    _assert_same(_completion(client, stream, prompt=ids),
+                 _grpc(token_stack, prompt_token_ids=ids, max_tokens=MAX_TOKENS, temperature=0))
+
+
+def test_sampling_fields_mean_what_they_mean_over_grpc(token_stack, client):
+    """seed, top_p, top_k, stop, ignore_eos and max_completion_tokens reach the same sampler."""
+    chat = CHATS[1]
+    http = _chat(client, stream=True, messages=chat, temperature=0.9, top_p=0.95, seed=1234, stop=["\n", "sky"],
+                 max_completion_tokens=16, extra_body={"top_k": 50, "ignore_eos": True})
+    _assert_same(http, _grpc(token_stack, messages=chat, temperature=0.9, top_p=0.95, seed=1234, stop=["\n", "sky"],
+                             max_tokens=16, top_k=50, ignore_eos=True))
+    plain_stop = _completion(client, stream=False, prompt=PROMPTS[0], stop=" and")
+    _assert_same(plain_stop, _grpc(token_stack, prompt=PROMPTS[0], stop=[" and"], max_tokens=MAX_TOKENS,
+                                   temperature=0))
+
+
+# The same bad input over both fronts: (OpenAI chat fields, gRPC fields); the message must match.
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_INPUT = {
+    "max_tokens 0": ({"max_tokens": 0}, {"max_tokens": 0}),
+    "max_tokens above context": ({"max_tokens": 10**6}, {"max_tokens": 10**6}),
+    "negative temperature": ({"temperature": -0.5}, {"temperature": -0.5}),
+    "top_p 0": ({"top_p": 0.0}, {"top_p": 0.0}),
+    "top_p above 1": ({"top_p": 1.5}, {"top_p": 1.5}),
+    "negative top_k": ({"extra_body": {"top_k": -1}}, {"top_k": -1}),
+    "too many stop strings": ({"stop": [str(i) for i in range(17)]}, {"stop": [str(i) for i in range(17)]}),
+    "unknown chat role": ({"messages": [{"role": "robot", "content": "x"}]},
+                          {"messages": [{"role": "robot", "content": "x"}]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_chat_input_is_400_with_grpcs_message(token_stack, client, case):
+    http_fields, grpc_fields = BAD_INPUT[case]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **http_fields})
+    expected = _grpc_error(token_stack, **{"messages": CHAT, **grpc_fields})
+    assert error.value.body == {"message": expected, "type": "invalid_request_error", "param": None,
+                                "code": "INVALID_ARGUMENT"}
+
+
+@pytest.mark.parametrize(("prompt", "grpc_fields"), [
+    ("", {"prompt": ""}), ([1, 49152], {"prompt_token_ids": [1, 49152]}),
+    ([42] * 9000, {"prompt_token_ids": [42] * 9000}),
+], ids=["empty prompt", "token id outside vocabulary", "prompt longer than context"])
+def test_bad_completion_input_is_400_with_grpcs_message(token_stack, client, prompt, grpc_fields):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt=prompt)
+    assert error.value.body["message"] == _grpc_error(token_stack, **grpc_fields)
+
+
+@pytest.mark.parametrize(("create", "fields", "param"), [
+    ("chat", {"n": 2}, "n"), ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"logprobs": 1}, "logprobs"), ("completions", {"n": 2}, "n"),
+])
+def test_what_pdserve_cannot_honour_is_refused_by_name(client, create, fields, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        if create == "chat":
+            client.chat.completions.create(model=MODEL, messages=CHAT, **fields)
+        else:
+            client.completions.create(model=MODEL, prompt="hi", **fields)
+    assert error.value.body["param"] == param and error.value.body["message"].startswith(f"{param}: ")
+
+
+def test_a_model_not_served_is_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert "'embedded'" in error.value.body["message"] and error.value.body["code"] == "NOT_FOUND"
+
+
+def _raw(stack, method: str, path: str, body: bytes = b"{}", **headers: str) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a request no client library shapes."""
+    url = stack.http_url.removesuffix("/v1") + path
+    request = urllib.request.Request(url, method=method, data=body if method == "POST" else None,
+                                     headers={"content-type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"null"), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+
+
+def test_a_body_that_is_not_json_is_400(token_stack):
+    status, body, _ = _raw(token_stack, "POST", "/v1/chat/completions", b"{not json",
+                           authorization=f"Bearer {TOKEN}")
+    assert status == 400 and body["error"]["code"] == "INVALID_ARGUMENT", body
+    assert body["error"]["message"].startswith("the body is not JSON"), body
+
+
+def test_a_body_above_max_request_bytes_is_413(token_stack):
+    """Refused by its Content-Length before a byte of it is read; a client still sending it would see
+    the connection close under it instead, so this one sends the headers alone."""
+    connection = http.client.HTTPConnection(token_stack.env["PDSERVE_ROUTER_HTTP_ADDRESS"], timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in (("Content-Type", "application/json"), ("Authorization", f"Bearer {TOKEN}"),
+                        ("Content-Length", str(5 * 1024 * 1024))):  # router.max_request_bytes: 4 MiB
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    assert response.status == 413, body  # Starlette's own answer, in plain text
+
+
+def test_a_prompt_no_pool_can_hold_is_429_as_grpc_is_resource_exhausted(token_stack, client):
+    ids = [1000 + i for i in range(PREFILL_PAGES * 16 + 1)]
+    with pytest.raises(openai.RateLimitError) as error:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1)
+    with pytest.raises(grpc.RpcError) as grpc_error:
+        _grpc(token_stack, prompt_token_ids=ids, max_tokens=1)
+    assert grpc_error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.value.body == {"message": grpc_error.value.details(), "type": "rate_limit_error", "param": None,
+                                "code": "RESOURCE_EXHAUSTED"}
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong-token"}, {"authorization": TOKEN}],
+                         ids=["missing", "wrong", "not a bearer"])
+def test_calls_without_the_right_token_are_401(token_stack, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
+        status, body, response_headers = _raw(token_stack, method, path, **headers)
+        assert status == 401 and body["error"]["code"] == "UNAUTHENTICATED", (path, body)
+        assert response_headers["www-authenticate"] == "Bearer"
+    assert _raw(token_stack, "GET", "/health")[0] == 200  # open to probes, as gRPC's health service
+
+
+def _failures(stack, code: str) -> float:
+    text = urllib.request.urlopen(stack.metrics_url("router"), timeout=5).read().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "pdserve:request_failure")
+    return next(s.value for s in family.samples if s.name.endswith("_total") and s.labels["code"] == code)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(token_stack, client):
+    cancelled = _failures(token_stack, "CANCELLED")
+    stream = client.completions.create(model=MODEL, prompt="Count to one thousand:", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    next(iter(stream))
+    stream.close()
+    token_stack.assert_pools_drained()
+    deadline = time.monotonic() + 5
+    while _failures(token_stack, "CANCELLED") != cancelled + 1:  # counted as gRPC counts a cancel
+        assert time.monotonic() < deadline, "the disconnect was not counted as CANCELLED"
+        time.sleep(0.1)
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_pages(token_stack):
+    impatient = openai.OpenAI(base_url=token_stack.http_url, api_key=TOKEN, max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt="Count to one thousand:", max_tokens=400,
+                                     extra_body={"ignore_eos": True})
+    token_stack.assert_pools_drained()
+
+
+def _listening_ports(stack) -> set[int]:
+    router = psutil.Process(stack.processes["router"].pid)
+    return {c.laddr.port for c in router.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_an_empty_http_address_serves_no_http(checkpoint, tmp_path):
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_ROUTER_HTTP_ADDRESS="") as stack:
+        ports = {int(stack.env[f"PDSERVE_ROUTER_{name}_ADDRESS"].rpartition(":")[2]) for name in ("GRPC", "METRICS")}
+        assert _listening_ports(stack) == ports
+        request = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=2, ignore_eos=True)
+        assert sum(len(c.token_ids) for c in stack.stub.Generate(request, timeout=60)) == 2
+
+
+def test_each_stack_serves_http_on_a_port_of_its_own(token_stack):
+    http_port = int(token_stack.env["PDSERVE_ROUTER_HTTP_ADDRESS"].rpartition(":")[2])
+    assert http_port != 8000 and http_port in _listening_ports(token_stack)
