@@ -469,3 +469,19 @@ def test_many_workers_of_the_8b_shape_on_one_gpu(tmp_path, prefill, decode):
             assert again == first
         assert len(again) == 16
         stack.assert_pools_drained()
+
+
+def test_shared_weights_are_refused_on_another_gpu(tmp_path, monkeypatch):
+    """map_weights compares the GPU the weights file names with the decode's, before opening any
+    handle; here the decode's GPU is made to look like another one."""
+    from shared.model import weight_share
+    from shared.model.llama import load_paged_llama
+    from shared.model.presets import preset_config
+
+    model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
+    path = tmp_path / "weights.msgpack"
+    weight_share.publish_weights(model, path)
+    monkeypatch.setattr(weight_share, "device_uuid", lambda device: "GPU-another")
+    with pytest.raises(weight_share.WeightsOnAnotherGpu, match="shares weights on one GPU only") as refused:
+        weight_share.map_weights(preset_config("random:llama-tiny"), path, "cuda:0", timeout_s=1)
+    assert refused.value.exit_code == 2

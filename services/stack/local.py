@@ -145,9 +145,12 @@ class LocalStack:
         return f"http://{self.env['PDSERVE_ROUTER_HTTP_ADDRESS']}/v1"
 
     def metrics_url(self, name: str) -> str:
-        """The Prometheus endpoint of the router or of a worker this stack started."""
+        """The Prometheus endpoint of a worker this stack started, else of the router or a role as
+        the settings give it (services.colocated serves at the decode's)."""
         plan = self.plans.get(service_name(name))
-        return f"http://{plan.metrics_address if plan else self.env[env_name(name, 'metrics_address')]}/metrics"
+        if plan is not None and plan.name in self.supervisor.processes:
+            return f"http://{plan.metrics_address}/metrics"
+        return f"http://{self.env[env_name(name.partition('-')[0], 'metrics_address')]}/metrics"
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{service_name(name)}.log"
