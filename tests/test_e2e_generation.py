@@ -8,19 +8,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.v1 import generation_pb2
 
 from shared.config import load_config
 from tests.conftest import CACHE_DIR
+from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
-TIE = 1e-3  # a batched step may flip a token only where the reference's top two logits are this close
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -61,28 +60,9 @@ def _generate(stub, request):
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
 
 
-def _reference(model, prompt_ids: list[int], max_tokens: int = MAX_TOKENS):
-    """transformers' greedy tokens and the logits it chose them from."""
-    ids = torch.tensor([prompt_ids], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt_ids):].tolist(), [step[0] for step in out.logits]
-
-
-def _assert_matches_reference(got: list[int], expected: list[int], logits: list[torch.Tensor], what: str):
-    """Equal tokens, except that after a tie in the reference the two runs may go separate ways."""
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if a != b:
-            top2 = logits[i].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE, f"{what}: token {i} is {a}, transformers chose {b} with a logit margin of {gap}"
-            return
-    assert len(got) == len(expected), f"{what}: {len(got)} tokens, transformers made {len(expected)}"
-
-
 @pytest.fixture(scope="module")
 def references(tokenizer, reference_model):
-    return {i: _reference(reference_model, _prompt_ids(tokenizer, kind, value))
+    return {i: reference_greedy(reference_model, _prompt_ids(tokenizer, kind, value), MAX_TOKENS)
             for i, (kind, value) in enumerate(_cases(tokenizer))}
 
 
@@ -101,7 +81,7 @@ def test_greedy_matches_transformers_one_by_one(stack, tokenizer, references):
     for i, (kind, value) in enumerate(_cases(tokenizer)):
         ids, text, last = _generate(stack.stub, _request(kind, value))
         expected, logits = references[i]
-        _assert_matches_reference(ids, expected, logits, f"{kind} #{i}")
+        assert_matches_reference(ids, expected, logits, f"{kind} #{i}")
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
         assert last.usage.prompt_tokens == len(_prompt_ids(tokenizer, kind, value))
         assert last.usage.completion_tokens == len(ids)
@@ -114,7 +94,7 @@ def test_greedy_matches_transformers_concurrently(stack, tokenizer, references):
         results = list(pool.map(lambda case: _generate(stack.stub, _request(*case)), cases))
     for i, (ids, text, _) in enumerate(results):
         expected, logits = references[i]
-        _assert_matches_reference(ids, expected, logits, f"concurrent #{i}")
+        assert_matches_reference(ids, expected, logits, f"concurrent #{i}")
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 

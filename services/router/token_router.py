@@ -145,6 +145,8 @@ class TokenRouter:
             self._end(request)
         request.clock.fill(request.timings)
         log.info("request finished", request_id=request.request_id, label=request.label, aborted=early,
+                 prefill=request.prefill.worker_id if request.prefill else None,
+                 decode=request.decode.worker_id if request.decode else None,
                  prompt_tokens=len(request.job.prompt_token_ids),
                  total_s=round(time.perf_counter() - request.submitted_at, 6),
                  **{k: round(v, 6) for k, v in request.timings.as_dict().items()})
