@@ -210,8 +210,8 @@ def test_each_instance_takes_its_cores_port_and_gpu_from_its_own_file():
         assert not set(own[role][:2]) & (set(environment(name)) | set(shared))
         assert set(own[role]) <= set(env_file(f"{role}-0.env.example"))
     prefill, decode = env_file("prefill-0.env.example"), env_file("decode-0.env.example")
-    cores = [set(parse_cores(env[f"PDSERVE_{role.upper()}_CPU_CORES"])) for role, env in zip(WORKERS, (prefill, decode))]
-    assert not cores[0] & cores[1]
+    prefill_cores = set(parse_cores(prefill["PDSERVE_PREFILL_CPU_CORES"]))
+    assert not prefill_cores & set(parse_cores(decode["PDSERVE_DECODE_CPU_CORES"]))
     assert prefill["PDSERVE_PREFILL_METRICS_ADDRESS"] != decode["PDSERVE_DECODE_METRICS_ADDRESS"]
 
 

@@ -2,6 +2,13 @@
 
 The prefill exports its pool with export_pool, by its device; a decode pulls each pool through
 the backend that backend_for picks from the pool's handle and the decode's own device.
+
+A new kind (a NIXL read, say) is a module with an export (handle.backend names the kind; the
+locator carries what a peer needs, e.g. the agent's metadata), a Backend (per decode: register the
+local pool once), its Source (per pool: load the remote's metadata, prepare descriptors) and its
+Transfer (per request: post the read in start(), check its state in poll(), abort in cancel());
+then an entry in BACKENDS, and a way for the prefill to choose it in export_pool. The decode's
+puller already times out any transfer that is not stream-ordered (kv.transfer_timeout_s).
 """
 
 from __future__ import annotations
