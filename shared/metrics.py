@@ -3,7 +3,8 @@
 Names are vLLM's with the `pdserve:` prefix (`vllm:time_to_first_token_seconds` ->
 `pdserve:time_to_first_token_seconds`), so a vLLM dashboard needs only the prefix changed. The
 router records each request's latencies and outcome and, per worker, the KV pages its heartbeats
-report and its own reservations; each worker serves its own pages and queue lengths.
+report and its own reservations; each worker serves its own pages and queue lengths, and a prefill
+its prefix cache (tokens looked up and found, pages held).
 
 Gauges are read when scraped (`set_function`): nothing is computed on the request path and no
 value goes stale. Every update swallows its own errors: a metrics bug must never fail a request.
@@ -78,6 +79,18 @@ WORKER_PENDING_PROMPT_TOKENS = Gauge(
 WORKER_ASSIGNED_REQUESTS = Gauge(
     "pdserve:worker_assigned_requests", "Requests the router placed on a worker that it still holds.",
     ["worker_id", "role"], registry=None)
+# Counted in prompt tokens, as vLLM counts them: hits / queries is the share of prompt tokens not computed.
+PREFIX_CACHE_QUERIES = Counter(
+    "pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefill's prefix cache.", registry=None)
+PREFIX_CACHE_HITS = Counter(
+    "pdserve:prefix_cache_hits", "Prompt tokens whose KV the prefill's prefix cache held.", registry=None)
+PREFIX_CACHE_PAGES = Gauge(
+    "pdserve:prefix_cache_pages", "KV pages the prefill's prefix cache holds, in use or evictable.", registry=None)
+WORKER_ROUTED_REQUESTS = Counter(
+    "pdserve:worker_routed_requests_total", "Requests routed to each worker.", ["worker_id", "role"], registry=None)
+WORKER_ROUTED_PROMPT_TOKENS = Counter(
+    "pdserve:worker_routed_prompt_tokens_total", "Prompt tokens routed to each worker (a prefill: those it was "
+    "expected to compute, its cached prefix left out).", ["worker_id", "role"], registry=None)
 REQUEST_RETRIES = Counter(
     "pdserve:request_retries_total", "Requests moved to another prefill after theirs failed before the first token.",
     registry=None)
@@ -85,8 +98,9 @@ REQUEST_RETRIES = Counter(
 ROUTER = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
           KV_HANDOFF, KV_PULL, REQUEST_SUCCESS, REQUEST_FAILURE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
           KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED, WORKER_PENDING_PROMPT_TOKENS, WORKER_ASSIGNED_REQUESTS,
-          REQUEST_RETRIES)
-WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE)
+          WORKER_ROUTED_REQUESTS, WORKER_ROUTED_PROMPT_TOKENS, REQUEST_RETRIES)
+WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE, PREFIX_CACHE_QUERIES,
+          PREFIX_CACHE_HITS, PREFIX_CACHE_PAGES)
 
 # Each label value exported from the start at 0, so rate() sees a counter's first increment.
 FAILURE_CODES = ("INVALID_ARGUMENT", *ErrorCode, "CANCELLED", "DEADLINE_EXCEEDED", "UNKNOWN")
@@ -151,6 +165,17 @@ def watch_pages(worker_id: str, role: Role, total_pages: int, free: Callable[[],
 
 
 @_never_raises
+def count_prefix_cache(queried_tokens: int, hit_tokens: int) -> None:
+    PREFIX_CACHE_QUERIES.inc(queried_tokens)
+    PREFIX_CACHE_HITS.inc(hit_tokens)
+
+
+@_never_raises
+def watch_prefix_cache(cached_pages: Callable[[], int]) -> None:
+    PREFIX_CACHE_PAGES.set_function(cached_pages)
+
+
+@_never_raises
 def watch_routed(worker) -> None:
     """A worker as the router sees it (services/router/workers.Worker): its pages as last reported,
     what the router promised away, and the load that routing weighs."""
@@ -159,6 +184,12 @@ def watch_routed(worker) -> None:
     KV_PAGES_RESERVED.labels(*labels).set_function(lambda: worker.reserved_pages)
     WORKER_PENDING_PROMPT_TOKENS.labels(*labels).set_function(lambda: worker.pending_prompt_tokens)
     WORKER_ASSIGNED_REQUESTS.labels(*labels).set_function(lambda: len(worker.reservations))
+
+
+@_never_raises
+def count_routed(worker_id: str, role: Role, prompt_tokens: int) -> None:
+    WORKER_ROUTED_REQUESTS.labels(worker_id, role).inc()
+    WORKER_ROUTED_PROMPT_TOKENS.labels(worker_id, role).inc(prompt_tokens)
 
 
 @_never_raises

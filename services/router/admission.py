@@ -19,6 +19,7 @@ from typing import Callable
 from services.router.request import InflightRequest, RequestError
 from services.router.routing import RoutingPolicy
 from services.router.workers import Worker, WorkerRegistry
+from shared import metrics
 from shared.config import RouterConfig
 from shared.kv_pool import decode_pages_needed, pages_for
 from shared.messages import ErrorCode, Role
@@ -107,6 +108,7 @@ class Admission:
         self._reserve_prefill(request, prefill, needed[Role.PREFILL])
         request.decode = decode
         decode.reservations[request.request_id] = needed[Role.DECODE]
+        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
         request.timings.router_queue_s = time.perf_counter() - request.submitted_at
         self.on_placed(request)
         return True
@@ -115,3 +117,4 @@ class Admission:
         request.prefill = prefill
         prefill.reservations[request.request_id] = pages
         prefill.pending_tokens[request.request_id] = self.policy.tokens_to_compute(prefill, request)
+        metrics.count_routed(prefill.worker_id, Role.PREFILL, prefill.pending_tokens[request.request_id])
