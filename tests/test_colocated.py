@@ -32,7 +32,8 @@ from shared.messages import EXIT_REFUSED
 from shared.router_link import RegistrationRefused, WorkerLoad
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
-from tests.test_e2e_generation import _assert_matches_reference, _cases, _generate, _prompt_ids, _reference, _request
+from tests.reference import assert_matches_reference, reference_greedy
+from tests.test_e2e_generation import MAX_TOKENS, _cases, _generate, _prompt_ids, _request
 from tests.test_metrics import scrape, value
 
 COLOCATED = ("router", "colocated")
@@ -142,7 +143,8 @@ def colocated(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tokenizer, reference_model):
-    return [_reference(reference_model, _prompt_ids(tokenizer, kind, value)) for kind, value in _few_cases(tokenizer)]
+    return [reference_greedy(reference_model, _prompt_ids(tokenizer, kind, value), MAX_TOKENS)
+            for kind, value in _few_cases(tokenizer)]
 
 
 def _events(log_path: Path, event: str) -> list[dict]:
@@ -155,7 +157,7 @@ def test_greedy_matches_transformers_one_by_one(colocated, tokenizer, references
     for i, case in enumerate(_few_cases(tokenizer)):
         ids, text, _ = _generate(colocated.stub, _request(*case))
         expected, logits = references[i]
-        _assert_matches_reference(ids, expected, logits, f"colocated {case[0]} #{i}")
+        assert_matches_reference(ids, expected, logits, f"colocated {case[0]} #{i}")
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -166,7 +168,7 @@ def test_greedy_matches_transformers_concurrently(colocated, tokenizer, referenc
         results = list(pool.map(lambda case: _generate(colocated.stub, _request(*case)), cases))
     for i, (ids, _, _) in enumerate(results):
         expected, logits = references[i]
-        _assert_matches_reference(ids, expected, logits, f"colocated concurrent #{i}")
+        assert_matches_reference(ids, expected, logits, f"colocated concurrent #{i}")
     colocated.assert_pools_drained()
 
 
@@ -301,5 +303,5 @@ def test_colocated_on_gpu_matches_the_disaggregated_stack(tmp_path):
     assert tokens["colocated"] == tokens["decode"]
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
     for prompt, ids in zip(prompts, tokens["colocated"]):
-        expected, logits = _reference(reference, prompt, 16)
-        _assert_matches_reference(ids, expected, logits, f"colocated gpu prompt of {len(prompt)}")
+        expected, logits = reference_greedy(reference, prompt, 16)
+        assert_matches_reference(ids, expected, logits, f"colocated gpu prompt of {len(prompt)}")

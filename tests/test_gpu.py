@@ -194,13 +194,13 @@ def test_stack_on_gpu_matches_transformers(tmp_path):
     from shared.model.presets import random_hf_model
     from tests.conftest import CACHE_DIR
     from tests.stack import ServiceStack
-    from tests.test_e2e_generation import _assert_matches_reference, _reference
+    from tests.reference import assert_matches_reference, reference_greedy
 
     model_path = "random:llama-tiny"
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
     prompts = [[1, 5, 9, 200, 31, 7], list(range(10, 90)), [3] * 40 + [17, 19, 23]]
     settings = {"PDSERVE_MODEL_PATH": model_path, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "float32"}
-    references = [_reference(reference, prompt, 16) for prompt in prompts]
+    references = [reference_greedy(reference, prompt, 16) for prompt in prompts]
 
     def generate(prompt: list[int]) -> list[int]:
         request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
@@ -208,10 +208,10 @@ def test_stack_on_gpu_matches_transformers(tmp_path):
 
     with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
         for prompt, (expected, logits) in zip(prompts, references):
-            _assert_matches_reference(generate(prompt), expected, logits, f"gpu prompt of {len(prompt)}")
+            assert_matches_reference(generate(prompt), expected, logits, f"gpu prompt of {len(prompt)}")
         with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the decode's graphs
             for prompt, ids, (expected, logits) in zip(prompts, pool.map(generate, prompts), references):
-                _assert_matches_reference(ids, expected, logits, f"concurrent gpu prompt of {len(prompt)}")
+                assert_matches_reference(ids, expected, logits, f"concurrent gpu prompt of {len(prompt)}")
         stack.assert_pools_drained()
 
 
@@ -235,6 +235,27 @@ def test_fused_gpu_decode_equals_the_cpu_path():
     torch.testing.assert_close(logits["cuda:0"].cpu(), logits["cpu"], atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_after_a_cached_prefix_on_the_gpu_equals_the_whole_prefill(dtype):
+    """A prompt whose first 64 tokens' KV another prompt wrote (the prefix cache's case): SDPA's
+    lower-right causal mask on the GPU (flash attention in bfloat16) gives the whole prompt's logits."""
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    model = PagedLlama.from_hf(random_hf_model("random:llama-tiny", dtype, "cuda:0"), "cuda:0")
+    layout = make_layout(model.num_layers, 32, 16, model.num_kv_heads, model.head_dim, dtype)
+    pool = allocate_local_pool(layout, "cuda:0")[0]
+    prompt = list(range(5, 105))
+    whole = model.prefill(prompt, pool, list(range(7))).float()
+    model.prefill(prompt[:64] + [7, 8, 9], pool, [10, 11, 12, 13, 14])  # writes the shared 4 pages
+    for chunk_tokens in (0, 16):
+        cached = model.prefill(prompt, pool, [10, 11, 12, 13, 20, 21, 22], chunk_tokens, start=64).float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(cached, whole, atol=1e-3, rtol=1e-3)
+        else:  # bfloat16: the prefix's KV came out of another matmul shape; within rounding of the logits' scale
+            assert (cached - whole).abs().max() <= 0.05 * whole.abs().max()
+
+
 def test_decode_maps_the_prefill_weights(tmp_path):
     """decode.weights_from: one copy of the weights on the GPU; greedy tokens unchanged; the decode
     exits when the prefill that owns the weights is gone."""
@@ -245,7 +266,7 @@ def test_decode_maps_the_prefill_weights(tmp_path):
     from shared.model.presets import random_hf_model
     from tests.conftest import CACHE_DIR
     from tests.stack import ServiceStack
-    from tests.test_e2e_generation import _assert_matches_reference, _reference
+    from tests.reference import assert_matches_reference, reference_greedy
 
     model_path = "random:llama-tiny"
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
@@ -257,8 +278,8 @@ def test_decode_maps_the_prefill_weights(tmp_path):
         prompt = list(range(10, 60))
         request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=16, temperature=0)
         ids = [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
-        expected, logits = _reference(reference, prompt, 16)
-        _assert_matches_reference(ids, expected, logits, "shared weights")
+        expected, logits = reference_greedy(reference, prompt, 16)
+        assert_matches_reference(ids, expected, logits, "shared weights")
         stack.signal("prefill", signal.SIGKILL)
         assert stack.processes["decode"].wait(timeout=30) == 1
         assert "is gone" in stack.log_path("decode").read_text()
