@@ -69,6 +69,30 @@ def test_chunked_prefill_equals_whole_prefill(model, pool, tokenizer):
     torch.testing.assert_close(pool.kv[:, pages], whole_kv, atol=1e-4, rtol=1e-3)
 
 
+def test_prefill_after_a_cached_prefix_equals_the_whole_prefill(model, pool, tokenizer, reference_model):
+    """A second prompt on the first's pages of a shared system prompt (the prefix cache's case):
+    only the rest is computed, attending to those pages, which it leaves as they were."""
+    system = tokenizer("You are a careful assistant. You answer every question briefly, in one sentence. ")["input_ids"]
+    first = system + tokenizer("What is the capital of France?")["input_ids"]
+    second = system + tokenizer("Name the three primary colors.")["input_ids"]
+    shared = len(system) // 16
+    assert shared >= 1
+    first_pages = list(range(pages_for(len(first), 16)))
+    model.prefill(first, pool, first_pages)
+    cached_kv = pool.kv[:, first_pages[:shared]].clone()
+    whole = model.prefill(second, pool, list(range(20, 20 + pages_for(len(second), 16))))
+    own_pages = first_pages[:shared] + list(range(40, 40 + pages_for(len(second), 16) - shared))
+    for chunk_tokens in (0, 5):
+        ours = model.prefill(second, pool, own_pages, chunk_tokens=chunk_tokens, start=shared * 16)
+        torch.testing.assert_close(ours, whole, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pool.kv[:, first_pages[:shared]], cached_kv)
+    with torch.no_grad():
+        theirs = reference_model(torch.tensor([second])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="at least one"):
+        model.prefill(second, pool, own_pages, start=len(second))
+
+
 def test_random_preset_builds_the_8b_shape():
     from shared.model.presets import preset_config
 

@@ -2,25 +2,35 @@
 
 Lifecycle of a request here:
   PrefillTask arrives -> waits in FIFO order until its pages fit in the pool
-  -> the prompt's forward pass writes K/V into the pages -> the first token is sampled
-  -> KvReady (page ids, first token) goes to the router -> the pages stay held until the
-     router sends ReleaseKv (the decode has copied them) or Abort (the request is gone).
-The pool is exported once at start (shared/kv_transfer); only page ids leave this process.
+  -> it holds the cached pages of its longest cached prefix and gets fresh pages for the rest
+     (services/prefill/prefix_cache.py) -> the forward pass computes the rest into the fresh
+     pages -> the first token is sampled -> the prompt's full pages join the cache
+  -> KvReady (every page id of the prompt, cached ones too; the first token; the cached tokens)
+     goes to the router -> the pages stay held until the router sends ReleaseKv (the decode has
+     copied them) or Abort (the request is gone); then cached pages stay in the cache, the others
+     are freed.
+The pool is exported once at start (shared/kv_transfer); only page ids leave this process. The
+cache's changes go to the router in batches (services/prefill/cache_events.py). With
+prefill.prefix_cache off, no key is computed, so nothing is cached and every prompt runs whole.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import structlog
 
 from shared import metrics, wire
 from shared.device import worker_stream
-from shared.kv_pool import PageAllocator, make_layout, pages_for
+from services.prefill.cache_events import CacheEvents
+from services.prefill.prefix_cache import Lease, PrefixCache
+from shared.kv_pool import make_layout, pages_for
 from shared.kv_transfer import export_pool
 from shared.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
 from shared.model.weight_share import publish_weights, weights_file
+from shared.prefix_hash import page_keys
 from shared.router_link import WorkerLoad
 from shared.sampling import sample
 from shared.worker_loop import WorkerLoop
@@ -29,6 +39,12 @@ from shared.worker_main import Worker
 log = structlog.get_logger()
 
 IDLE_WAIT_S = 0.1  # an idle loop's longest wait for a message (it also pings the watchdog)
+
+
+@dataclass(frozen=True)
+class Queued:
+    task: PrefillTask
+    keys: list[str]  # the prompt's page keys, hashed once on arrival; none with the prefix cache off
 
 
 class PrefillWorker(WorkerLoop):
@@ -45,44 +61,58 @@ class PrefillWorker(WorkerLoop):
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.page_size = layout.page_size
         self.exported = export_pool(layout, config.prefill.worker_id, model.device)
-        self.allocator = PageAllocator(layout.num_pages)
-        self.waiting: deque[PrefillTask] = deque()
-        self.held: dict[str, list[int]] = {}
+        self.cache = PrefixCache(layout.num_pages, layout.page_size)
+        self.use_cache = config.prefill.prefix_cache
+        self.waiting: deque[Queued] = deque()
+        self.held: dict[str, Lease] = {}
         super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handle,
                          {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
                          worker_stream(model.device, high_priority=False))
+        self.events = CacheEvents(self.worker_id, self.cache, self.link) if self.use_cache else None
         self.weights_path = None
         if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             publish_weights(model, self.weights_path)
-        metrics.watch_pages(self.worker_id, Role.PREFILL, self.allocator.num_pages, lambda: self.load().free_pages)
+        metrics.watch_pages(self.worker_id, Role.PREFILL, self.cache.num_pages, lambda: self.load().free_pages)
+        if self.use_cache:
+            metrics.watch_prefix_cache(lambda: self.cache.num_cached)
         if not colocated:
             metrics.serve(config.prefill.metrics_address, metrics.WORKER, config.model.device)
 
     # ---- the skeleton's hooks ----
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.allocator.num_free, len(self.held), len(self.waiting),
-                          [*self.held, *(task.request_id for task in list(self.waiting))])
+        # Cached pages no request holds count as free: an allocation evicts them when it needs room,
+        # so the router's reservations (each request's prompt pages) stay within what we report.
+        return WorkerLoad(self.cache.num_available, len(self.held), len(self.waiting),
+                          [*self.held, *(queued.task.request_id for queued in list(self.waiting))])
 
     def receive_timeout_s(self) -> float:
-        return 0.0 if self._next_fits() else IDLE_WAIT_S
+        if self._next_fits():
+            return 0.0
+        return min(IDLE_WAIT_S, self.events.due_in_s()) if self.events else IDLE_WAIT_S
 
     def step(self) -> None:
         if self._next_fits():
             self._prefill(self.waiting.popleft())
+        if self.events:
+            self.events.flush()
 
     def forget_all(self) -> None:
-        for pages in self.held.values():
-            self.allocator.free(pages)
+        """The cache itself stays: its pages hold what their keys say whoever routes to us; the
+        router that registers us next hears every key again (cleared=True)."""
+        for lease in self.held.values():
+            self.cache.release(lease)
         self.held.clear()
         self.waiting.clear()
+        if self.events:
+            self.events.resync()
 
     def fail_all(self, reason: str) -> None:
-        for task in self.waiting:
-            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, reason))
+        for queued in self.waiting:
+            self.link.send(Failed(queued.task.request_id, ErrorCode.UNAVAILABLE, reason))
         self.waiting.clear()
-        log.info("prefill pages still held at stop", held_pages=sum(map(len, self.held.values())))
+        log.info("prefill pages still held at stop", held_pages=sum(len(lease.pages) for lease in self.held.values()))
 
     def close(self) -> None:
         self.exported.close()
@@ -92,42 +122,51 @@ class PrefillWorker(WorkerLoop):
     # ---- requests ----
 
     def _next_fits(self) -> bool:
-        return bool(self.waiting) and pages_for(len(self.waiting[0].prompt_token_ids),
-                                                self.page_size) <= self.allocator.num_free
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        return self.cache.fits(head.keys, len(head.task.prompt_token_ids))
 
     def _on_task(self, task: PrefillTask) -> None:
         needed = pages_for(len(task.prompt_token_ids), self.page_size)
-        if not task.prompt_token_ids or needed > self.allocator.num_pages:
+        if not task.prompt_token_ids or needed > self.cache.num_pages:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
-                                  f"prompt needs {needed} KV pages; the prefill pool has {self.allocator.num_pages}"))
+                                  f"prompt needs {needed} KV pages; the prefill pool has {self.cache.num_pages}"))
             return
-        self.waiting.append(task)
+        keys = page_keys(task.prompt_token_ids, self.page_size) if self.use_cache else []
+        self.waiting.append(Queued(task, keys))
 
     def _on_release(self, message: ReleaseKv) -> None:
-        pages = self.held.pop(message.request_id, None)
-        if pages is not None:
-            self.allocator.free(pages)
+        lease = self.held.pop(message.request_id, None)
+        if lease is not None:
+            self.cache.release(lease)
 
     def _on_abort(self, message: Abort) -> None:
         self._on_release(ReleaseKv(message.request_id))
-        self.waiting = deque(task for task in self.waiting if task.request_id != message.request_id)
+        self.waiting = deque(queued for queued in self.waiting if queued.task.request_id != message.request_id)
 
-    def _prefill(self, task: PrefillTask) -> None:
+    def _prefill(self, queued: Queued) -> None:
+        task, prompt = queued.task, queued.task.prompt_token_ids
         queued_s = max(0.0, time.time() - task.sent_at)  # includes waiting in the socket behind earlier prompts
         started = time.perf_counter()
-        prompt = task.prompt_token_ids
-        pages = self.allocator.allocate(pages_for(len(prompt), self.page_size))
+        lease = self.cache.acquire(queued.keys, len(prompt))
+        cached_tokens = lease.cached_pages * self.page_size
+        if self.use_cache:
+            metrics.count_prefix_cache(len(prompt), cached_tokens)
         try:
-            logits = self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens, self.link.made_progress)
+            logits = self.model.prefill(prompt, self.exported.pool, lease.pages, self.chunk_tokens,
+                                        self.link.made_progress, start=cached_tokens)
             token = sample(logits[None], [task.sampling], [0])[0]  # syncs: the pages are written
         except Exception as exc:
-            self.allocator.free(pages)
+            self.cache.release(lease)
             log.exception("prefill failed", request_id=task.request_id)
             self.link.send(Failed(task.request_id, ErrorCode.INTERNAL, f"prefill failed: {exc}"))
             return
-        self.held[task.request_id] = pages
+        self.cache.store(queued.keys, lease)
+        self.held[task.request_id] = lease
         finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
-        self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(pages), len(prompt), token,
-                               finish_reason, queued_s, compute_s, time.time(), 0))
-        log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), compute_ms=compute_s * 1e3)
+        self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(lease.pages), len(prompt), token,
+                               finish_reason, queued_s, compute_s, time.time(), cached_tokens))
+        log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
+                  compute_ms=compute_s * 1e3)

@@ -144,19 +144,23 @@ class PagedLlama:
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int],
-                chunk_tokens: int = 0, after_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+                chunk_tokens: int = 0, after_chunk: Callable[[], None] | None = None, start: int = 0) -> torch.Tensor:
         """Runs one prompt, writes its KV into page_ids, returns the last position's logits [V].
 
         With chunk_tokens > 0 the prompt goes through in chunks of that many tokens, so
         activation memory stays bounded for long prompts; each chunk attends to the earlier
         chunks' K/V read back from the pages. after_chunk runs once each chunk is issued (the
-        worker's liveness: a long prompt is progress, chunk by chunk).
+        worker's liveness: a long prompt is progress, chunk by chunk). start: the KV of the first
+        `start` tokens is already in the pages (a cached prefix), so only the rest is computed,
+        attending to it as a later chunk does; at least the last token is computed, for its logits.
         """
-        chunk = chunk_tokens if chunk_tokens > 0 else len(token_ids)
+        if not 0 <= start < len(token_ids):
+            raise ValueError(f"start {start} must leave at least one of the {len(token_ids)} tokens to compute")
+        chunk = chunk_tokens if chunk_tokens > 0 else len(token_ids) - start
         ids = torch.tensor(token_ids, device=self.device)
         pages = torch.tensor(page_ids, device=self.device)
-        for start in range(0, len(token_ids), chunk):
-            x = self._prefill_chunk(ids[start:start + chunk], start, pool, pages)
+        for begin in range(start, len(token_ids), chunk):
+            x = self._prefill_chunk(ids[begin:begin + chunk], begin, pool, pages)
             if after_chunk is not None:
                 after_chunk()
         return self._logits(x[-1:])[0]
@@ -170,7 +174,7 @@ class PagedLlama:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
             self._write_kv(pool, i, chunk_pages, offsets, k, v)
-            if start > 0:  # earlier chunks: read back this request's pages up to the chunk's end
+            if start > 0:  # earlier chunks or a cached prefix: read back the pages up to the chunk's end
                 used = pages[: -(-end // page_size)]
                 k = pool.key(i)[used].flatten(0, 1)[:end]
                 v = pool.value(i)[used].flatten(0, 1)[:end]
