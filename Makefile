@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTO_OUT := proto/pdserve/v1/generation_pb2.py proto/pdserve/v1/generation_pb2_grpc.py
 ARGS ?=
 
-.PHONY: setup run test test-gpu bench bench-serving loadtest proto clean
+.PHONY: setup run test test-gpu bench bench-serving loadtest loadtest-locust loadtest-aiperf proto clean
 
 setup: $(VENV)/.installed $(PROTO_OUT)
 
@@ -44,17 +44,36 @@ bench-serving: setup
 	$(PY) -m loadtest.bench_serving --out $(SERVING_OUT) $(ARGS); status=$$?; \
 		$(PY) -m loadtest.plot_serving $(SERVING_OUT)/serving.json && exit $$status
 
-# Locust against a running stack (`make run` in another terminal); stops after RUN_TIME and
-# writes CSV and HTML reports into OUT. TRAFFIC: closed, trace or curve (loadtest/locustfile.py).
+# A load test against a running stack (`make run` in another terminal), by TOOL:
+# - locust (the default), over gRPC at HOST: stops after RUN_TIME and writes CSV and HTML reports
+#   into OUT. TRAFFIC: closed, trace or curve (loadtest/locustfile.py).
+# - aiperf, NVIDIA's AIPerf over the OpenAI API at HTTP_HOST: replays a Mooncake-format trace
+#   (loadtest/traces/mooncake_cpu.jsonl) and fails unless every request succeeded; its artifacts go
+#   into OUT/aiperf (loadtest/aiperf_replay.py). AIPerf gets a venv of its own, AIPERF_VENV: its
+#   pins would move back pyzmq, psutil, prometheus-client, rich and huggingface-hub in .venv.
+TOOL ?= locust
 USERS ?= 4
 RUN_TIME ?= 60s
 OUT ?= out/loadtest
 TRAFFIC ?= closed
 HOST ?= 127.0.0.1:50051
-loadtest: setup
+HTTP_HOST ?= 127.0.0.1:8000
+AIPERF_VENV ?= .venv-aiperf
+loadtest: loadtest-$(TOOL)
+
+loadtest-locust: setup
 	mkdir -p $(OUT)
 	$(PY) -m locust -f loadtest/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(USERS) \
 		--run-time $(RUN_TIME) --csv $(OUT)/locust --html $(OUT)/locust.html --traffic $(TRAFFIC) $(ARGS)
 
+loadtest-aiperf: setup $(AIPERF_VENV)/.installed
+	$(PY) -m loadtest.aiperf_replay --url http://$(HTTP_HOST) --out $(OUT)/aiperf --aiperf $(AIPERF_VENV)/bin/aiperf $(ARGS)
+
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --upgrade pip
+	$(AIPERF_VENV)/bin/pip install --quiet aiperf==0.13.0
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(PROTO_OUT) proto/pdserve/v1/generation_pb2.pyi
+	rm -rf $(VENV) $(AIPERF_VENV) $(PROTO_OUT) proto/pdserve/v1/generation_pb2.pyi
