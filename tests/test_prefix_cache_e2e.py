@@ -10,8 +10,8 @@ import pytest
 from pdserve.v1 import generation_pb2
 
 from tests.conftest import CACHE_DIR
-from tests.stack import ServiceStack
 from tests.reference import assert_matches_reference, reference_greedy
+from tests.stack import ServiceStack
 from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.e2e
