@@ -296,8 +296,8 @@ def test_colocated_on_gpu_matches_the_disaggregated_stack(tmp_path):
             stack.assert_pools_drained()
             if services == COLOCATED:  # one copy of the weights, published to nobody
                 assert not weights_file(stack.env["PDSERVE_ROUTER_RUNTIME_DIR"], "prefill-0").exists()
-                serving = _events(stack.log_path("colocated"), "decode worker serving")
-                assert serving[0]["stream_priority"] < 0, "the decode's stream has a raised priority"
+                ready = _events(stack.log_path("colocated"), "decode worker ready")
+                assert ready[0]["stream_priority"] < 0, "the decode's stream has a raised priority"
             codes = stack.stop()
         assert codes == {name: 0 for name in codes}, codes
     assert tokens["colocated"] == tokens["decode"]

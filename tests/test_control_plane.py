@@ -271,7 +271,8 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
     stack, peers = router_and_peers
     prefill, decode, other = peers["prefill"], peers["decode"], peers["other"]
     with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 3), timeout=60)))
+        # 100 tokens need more pages than decode-1's pool of 4: only decode-0 can be given it.
+        call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 100), timeout=60)))
         task = prefill.receive(PrefillTask)
         rid = task.request_id
         prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None,
@@ -296,6 +297,9 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
 
 def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_peers):
     _, peers = router_and_peers
+    peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])
+    with pytest.raises(TimeoutError):  # once may be a heartbeat that crossed a ReleaseKv or Abort
+        peers["decode"].receive(Abort, timeout_s=1.0)
     peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])
     assert peers["decode"].receive(Abort).request_id == "a-request-the-router-never-made"
 

@@ -356,11 +356,14 @@ class TokenRouter:
         owed = {request_id for request_id, h in self.handoffs.items() if h.prefill_id == worker.worker_id}
         if worker.draining and not worker.reservations and not owed:
             self._send(worker, Drained())
-        for request_id in message.holding:
-            if request_id not in worker.reservations and request_id not in owed:
-                log.warning("worker holds a request the router does not know: aborting it", worker=worker.worker_id,
-                            request_id=request_id)
-                self._send(worker, Abort(request_id))
+        # A request the router just let go of may be listed once more, by a heartbeat sent before
+        # the worker read the ReleaseKv or Abort: only one listed twice in a row is held astray.
+        unknown = {r for r in message.holding if r not in worker.reservations and r not in owed}
+        for request_id in unknown & worker.unknown_holding:
+            log.warning("worker holds a request the router does not know: aborting it", worker=worker.worker_id,
+                        request_id=request_id)
+            self._send(worker, Abort(request_id))
+        worker.unknown_holding = unknown
 
     def _on_kv_ready(self, peer: Peer, message: KvReady) -> None:
         prefill = peer.worker

@@ -28,6 +28,7 @@ class Worker:
     pending_tokens: dict[str, int] = field(default_factory=dict)
     draining: bool = False    # takes no new work (services/router/routing.py skips it)
     cached_keys: set[str] = field(default_factory=set)  # a prefill's prefix cache, as its KvCacheEvents say
+    unknown_holding: set[str] = field(default_factory=set)  # held, by its last heartbeat, unknown to the router
     free_pages: int = 0       # as the worker last reported
     running: int = 0
     waiting: int = 0
