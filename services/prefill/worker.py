@@ -21,9 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from shared import metrics, wire
-from shared.device import worker_stream
+from shared.device import on_stream, worker_stream
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
 from shared.kv_pool import make_layout, pages_for
@@ -69,6 +70,8 @@ class PrefillWorker(WorkerLoop):
                          {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
                          worker_stream(model.device, high_priority=False))
         self.events = CacheEvents(self.worker_id, self.cache, self.link) if self.use_cache else None
+        if model.device.type == "cuda":
+            self._compile_prefill_kernels()
         self.weights_path = None
         if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
@@ -78,6 +81,18 @@ class PrefillWorker(WorkerLoop):
             metrics.watch_prefix_cache(lambda: self.cache.num_cached)
         if not colocated:
             metrics.serve(config.prefill.metrics_address, metrics.WORKER, config.model.device)
+
+    def _compile_prefill_kernels(self) -> None:
+        """Runs a two-page prompt, whole and after a cached first page, before registering, so that
+        no request pays for compiling their kernels: a compile holds the GIL for seconds, long
+        enough to silence the heartbeat thread (the router saw a prefill miss 3 s of heartbeats at its
+        first cache hit). Pages 0 and 1 are free: nothing is allocated yet."""
+        prompt, pages = [1] * (2 * self.page_size), [0, 1]
+        with on_stream(self.stream):
+            self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)
+            if self.use_cache:
+                self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens, start=self.page_size)
+        torch.cuda.synchronize(self.model.device)
 
     # ---- the skeleton's hooks ----
 
