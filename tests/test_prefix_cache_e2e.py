@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 from pdserve.v1 import generation_pb2
 
@@ -50,10 +51,13 @@ def _text(tokenizer, text: str) -> list[int]:
 
 
 def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens and the prompt tokens the prefill took from its cache (the last chunk's timings)."""
+    """Greedy tokens and the prompt tokens the prefill took from its cache, as the usage and the
+    timings of the last chunk both say."""
     request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0)
     chunks = list(stack.stub.Generate(request, timeout=120))
-    return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].timings.cached_prompt_tokens
+    last = chunks[-1]
+    assert last.usage.cached_prompt_tokens == last.timings.cached_prompt_tokens
+    return [t for chunk in chunks for t in chunk.token_ids], last.usage.cached_prompt_tokens
 
 
 def _reusable(prompt: list[int], earlier: list[list[int]]) -> int:
@@ -95,6 +99,9 @@ def test_the_same_prompt_twice(cached, uncached, tokenizer, reference_model):
     prompt = _text(tokenizer, "Beekeeping notes: the queen was seen on frame four, the brood pattern is tight, "
                               "and the colony has drawn out two new frames of comb since the last inspection. Next,")
     assert _check_in_turn(cached, uncached, reference_model, [prompt, prompt])[1] == (len(prompt) - 1) // PAGE * PAGE
+    client = openai.OpenAI(base_url=cached.http_url, api_key="unused", max_retries=0, timeout=120)
+    usage = client.completions.create(model="embedded", prompt=prompt, max_tokens=2, temperature=0).usage
+    assert usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // PAGE * PAGE  # the HTTP API says it too
 
 
 def test_a_prompt_that_is_a_prefix_of_another(cached, uncached, tokenizer, reference_model):
