@@ -2,7 +2,7 @@
 
 It appends when it started to --starts (so the test can time the restarts), then exits with N
 after S seconds, or with --after omitted runs until SIGTERM and exits 0, as the services do.
---ignore-sigterm makes it a laggard the supervisor must SIGKILL.
+--ignore-sigterm makes it a laggard that ignores SIGTERM and SIGINT, which the supervisor must SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(args.starts, "a") as starts:  # once its handler is in place: a SIGTERM from now on exits 0

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.router.workers import Worker
 from shared import metrics
 from shared.config import ConfigError, load_config
-from shared.messages import FinishReason, Role
+from shared.messages import FinishReason, ModelFingerprint, Role
 
 GOOD_REQUESTS = 3
 MAX_TOKENS = 4
@@ -85,7 +85,8 @@ def test_request_timer_counts_one_outcome_and_never_raises(registry):
 
 
 def test_routed_worker_gauges_read_live_values_and_go_with_their_worker(registry):
-    worker = Worker("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, pool=None, free_pages=7)
+    worker = Worker("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, pool=None,
+                    fingerprint=ModelFingerprint("c", "w", "t", "float32", "layers=1"), free_pages=7)
     worker.reservations["r1"] = 2
     metrics.watch_routed(worker)
     labels = {"worker_id": "decode-t", "role": "decode"}
