@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from services.router.admission import Admission
+from services.router.registration import RegistrationPolicy, version_refusal
 from services.router.request import ErrorEvent, InflightRequest, Stage, TokenEvent
 from services.router.routing import RoutingPolicy
 from services.router.workers import Worker, WorkerRegistry
@@ -38,10 +39,9 @@ from shared import metrics, wire
 from shared.config import Config
 from shared.dispatch import Dispatcher
 from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, Drain, Drained, Draining, ErrorCode,
-                             Failed, Heartbeat, KvCacheEvents, KvPulled, KvReady, ModelFingerprint, PoolAvailable,
+                             Failed, Heartbeat, KvCacheEvents, KvPulled, KvReady, PoolAvailable,
                              PoolGone, PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister, Role,
                              TokenBatch)
-from shared.model import fingerprint
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
@@ -90,6 +90,7 @@ class TokenRouter:
         # thread: the asyncio socket would hand a send's error to a future nobody awaits.
         self._sender = zmq.Socket.shadow(self._socket.underlying)
         self._security = None
+        self.registration: RegistrationPolicy | None = None  # made in start(), with the CURVE server
         self._tasks: list[asyncio.Task] = []
         self.dispatch = Dispatcher({
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
@@ -99,6 +100,7 @@ class TokenRouter:
 
     async def start(self) -> None:
         self._security = secure_server(self._socket, self.settings)
+        self.registration = RegistrationPolicy(self.config.kv.page_size, self.checkpoint, self._security)
         self._socket.bind(self.settings.zmq_endpoint())
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._liveness_loop())]
         log.info("token router started", epoch=self.epoch)
@@ -236,7 +238,7 @@ class TokenRouter:
                 log.warning("dropped malformed frame", error=str(exc), size=len(payload), peer=identity[:64])
                 version = wire.claimed_protocol_version(payload)
                 if version is not None and version != PROTOCOL_VERSION:
-                    self._reply(Peer(identity, None, None), Refused(_version_refusal(version)))
+                    self._reply(Peer(identity, None, None), Refused(version_refusal(version)))
                 continue
             user_id = self._user_id(frames[1])
             worker = self.registry.by_identity(identity)
@@ -274,7 +276,7 @@ class TokenRouter:
     # ---- handlers: each takes the sending Peer and the message ----
 
     def _on_register(self, peer: Peer, message: Register) -> None:
-        reason = self._refusal(peer, message)
+        reason = self.registration.refusal(message, peer.user_id, self.registry)
         if reason:
             log.error("refused worker", worker=message.worker_id, role=message.role, reason=reason)
             self._reply(peer, Refused(reason))
@@ -298,28 +300,6 @@ class TokenRouter:
                  incarnation=worker.incarnation, pages=worker.total_pages)
         self._on_workers_changed(self.serving())
         self.admission.admit_waiting()
-
-    def _refusal(self, peer: Peer, message: Register) -> str:
-        """Why this worker may not join, or "" if it may."""
-        if message.protocol_version != PROTOCOL_VERSION:
-            return _version_refusal(message.protocol_version)
-        if message.page_size != self.config.kv.page_size:
-            return f"KV page size {message.page_size}, but this router's kv.page_size is {self.config.kv.page_size}"
-        if (message.role == Role.PREFILL) != (message.pool is not None):
-            return "only a prefill exports a KV pool, and every prefill does"
-        if self._security is not None and not self._security.permits(peer.user_id, message.worker_id, message.role):
-            return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"
-        return self._mismatch(message)
-
-    def _mismatch(self, message: Register) -> str:
-        """Why this worker's KV could not pair with the stack's, or "" if it can: the model is the
-        router's own, and dtype and KV layout are those of the workers already serving."""
-        theirs = message.fingerprint
-        others = [w.fingerprint for w in self.registry.workers.values() if w.worker_id != message.worker_id]
-        serving = others[0] if others else theirs
-        expected = ModelFingerprint(*self.checkpoint, serving.dtype, serving.kv_layout)
-        wrong = fingerprint.differences(expected, theirs)
-        return f"another model than this stack's: {'; '.join(wrong)}" if wrong else ""
 
     def _on_draining(self, peer: Peer, message: Draining) -> None:
         worker = peer.worker
@@ -464,6 +444,3 @@ class TokenRouter:
         self._on_workers_changed(self.serving())
         self.admission.admit_waiting()
 
-
-def _version_refusal(version: int) -> str:
-    return f"protocol version {version}, but this router speaks {PROTOCOL_VERSION}: run one pdserve release everywhere"
