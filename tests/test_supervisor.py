@@ -164,7 +164,7 @@ def test_make_run_restarts_each_killed_service_and_serves_again(tmp_path, checkp
         records = map(json.loads, re.findall(r'\{[^{}]*"event": "service exited"[^{}]*\}',
                                              stack.log_path("stack").read_text()))
         exits = [(r["child"], r["why"]) for r in records]
-        assert exits == [(name, "killed by SIGKILL") for name in ("decode", "prefill", "router")]
+        assert exits == [(name, "killed by SIGKILL") for name in ("decode-0", "prefill-0", "router")]
         assert stack.stop() == {"stack": 0}
     assert not [pid for pid in seen if Path(f"/proc/{pid}").exists()], "services outlived the launcher"
     assert not [n for n in os.listdir("/dev/shm")
