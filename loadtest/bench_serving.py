@@ -1,6 +1,7 @@
 """python -m loadtest.bench_serving: ways of serving side by side on one open-loop workload, in one run.
 
     python -m loadtest.bench_serving [--modes disaggregated,colocated,transformers] [--out DIR] [--gpu]
+    python -m loadtest.bench_serving --topologies 1x1,2x1,1x2 [--devices 'prefill=0,1 decode=2'] ...
 
 For each mode (loadtest/serving_modes.py) it starts the processes, warms them up, replays every
 workload, and stops them. The workloads, fixed before the first mode starts so every mode gets the
@@ -14,18 +15,26 @@ same requests at the same times:
 The transformers floor serves one request at a time, so it gets only --floor-rates (default: the
 lowest rate), each cut to --floor-requests-per-rate requests, and no trace.
 
+--prefill N --decode M runs the disaggregated mode with that many workers of each role;
+--topologies PxD,... runs it once per layout, each a mode of the report ("disaggregated-2P1D"), the
+same workloads for all; --devices places them (stack.devices; by default every worker is on
+model.device, cuda:0 with --gpu). These flags lay out the disaggregated mode only: the other modes
+are one prefill and one decode by nature and are refused beside them. Each workload of a mode with a
+router also reports its load balance (loadtest/worker_balance.py): requests and prompt tokens the
+router sent each worker during it, from the router's counters, and max / mean over each role.
+
 The defaults fit a 2-core CPU with the embedded model (about 5 minutes); --gpu takes the GPU stack
 bench's settings (loadtest/bench_gpu_stack.py) and adds the mps mode.
 
 The JSON report goes to stdout and to DIR/serving.json (rewritten after every workload, so a run
 cut short keeps what it measured); `python -m loadtest.plot_serving DIR/serving.json` draws it.
 Progress goes to stderr. The exit code is 1 when a mode failed, a request was lost, the mps workers
-were not clients of the daemon, or something was skipped for --time-limit-s.
+were not clients of the daemon, the router's counters could not be read, or something was skipped
+for --time-limit-s.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import inspect
 import json
@@ -38,16 +47,16 @@ import time
 from pathlib import Path
 
 from loadtest import serving_metrics as metrics
+from loadtest import worker_balance
 from loadtest.bench_gpu_stack import gpu_stack_settings
 from loadtest.generate_client import StreamRecord
 from loadtest.serving_client import replay
-from loadtest.serving_modes import MODES, Mode, MpsSplit, serving
+from loadtest.serving_args import parse_args
+from loadtest.serving_modes import MODES, Mode, serving
 from loadtest.serving_workloads import Workload, mode_workloads, warm_up_schedule
-from loadtest.workload import DEFAULT_TRACE, MODEL_CONTEXT
+from shared.config import ConfigError, parse_devices
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
-CPU_MODES = "disaggregated,colocated,transformers"
-GPU_MODES = "disaggregated,colocated,mps,transformers"
 # A workload is expected to take its schedule plus this much to drain, when judging the time left.
 DRAIN_ALLOWANCE_S = 15.0
 FIRST_START_ESTIMATE_S = 60.0
@@ -79,6 +88,8 @@ def run_mode(mode: Mode, entry: dict, args, clock: Clock, save) -> dict[str, lis
     returns the calls of each workload run."""
     workloads = mode_workloads(mode, args)
     entry.update(services=list(mode.services), sends_timings=mode.sends_timings, workloads={}, skipped_for_time=[])
+    if mode.topology is not None:
+        entry.update(topology=mode.topology.label, devices=args.devices)
     missing = mode.missing_modules()
     if missing:
         entry["error"] = f"not in this checkout: {missing}"
@@ -90,7 +101,7 @@ def run_mode(mode: Mode, entry: dict, args, clock: Clock, save) -> dict[str, lis
     with tempfile.TemporaryDirectory(prefix=f"pdserve-serving-{mode.name}-") as work:
         try:
             measure(mode, workloads, Path(work), args, clock, entry, records, save)
-        except (RuntimeError, TimeoutError, OSError) as error:
+        except (RuntimeError, TimeoutError, OSError, ConfigError) as error:
             entry["error"] = f"{type(error).__name__}: {error}"
             progress(f"{mode.name}: FAILED: {entry['error']}")
         finally:
@@ -103,27 +114,59 @@ def measure(mode: Mode, workloads: list[Workload], work: Path, args, clock: Cloc
     """Starts the mode, warms it up, replays each workload that fits in the time left, and stops it;
     fills entry (its report) and records (the calls, for the burst comparison) as it goes."""
     began = time.monotonic()
-    with serving(mode, work, CACHE_DIR, stack_settings(args, mode), args.mps_split, args.start_timeout_s) as (
-            stack, facts):
+    with serving(mode, work, CACHE_DIR, stack_settings(args, mode), args.mps_split, args.start_timeout_s,
+                 args.devices) as (stack, facts):
         entry["start_s"] = time.monotonic() - began
         clock.starts_s.append(entry["start_s"])
         entry.update(facts)
         progress(f"{mode.name}: serving after {entry['start_s']:.0f} s; warming up")
         warm_up(stack.address, workloads, args)
+        counters = router_counters(stack, mode)
         for load in workloads:
             if not clock.fits(load.length_s + min(args.drain_timeout_s, DRAIN_ALLOWANCE_S)):
                 entry["skipped_for_time"].append(load.name)
                 continue
+            before = counters.read() if counters else None
             records[load.name] = run_workload(stack.address, mode, load, args)
             entry["workloads"][load.name] = workload_report(load, records[load.name], args.slo)
+            if counters:
+                entry["workloads"][load.name]["load_balance"] = balance = counters.since(before)
+                progress(f"{mode.name}: {load.name}: routed {balance_line(balance)}")
             save()
-        entry["exit_codes"] = stack.stop()
+        entry["exit_codes"] = dict(stack.stop())
+
+
+def router_counters(stack, mode: Mode) -> worker_balance.RouterCounters | None:
+    """The router's per-worker counters, with every worker it lists (so an idle one shows as 0)."""
+    if "router" not in mode.services:
+        return None
+    roles = {worker.worker_id: worker.role for worker in stack.workers()}
+    return worker_balance.RouterCounters(stack.metrics_url("router"), roles)
+
+
+def balance_line(balance: dict) -> str:
+    if "error" in balance:
+        return f"unknown: {balance['error']}"
+    workers = ", ".join(f"{w} {c['requests']} req/{c['prompt_tokens']} tok" for w, c in balance["workers"].items())
+    return (f"{workers}; max/mean prefill tokens {balance['prefill_prompt_tokens_max_over_mean']}, "
+            f"decode requests {balance['decode_requests_max_over_mean']}")
 
 
 def stack_settings(args, mode: Mode) -> dict[str, str]:
     if args.gpu:
-        return gpu_stack_settings(args.model, mode.services)
+        return gpu_stack_settings(args.model, mode.services, shared_weights=decodes_share_weights(args.devices))
     return {"PDSERVE_MODEL_PATH": args.model}
+
+
+def decodes_share_weights(devices: str) -> bool:
+    """Whether every decode may map prefill-0's weights (decode.weights_from), which works on its GPU
+    only: always with every worker on model.device (cuda:0); with --devices, where every decode is
+    placed on prefill-0's GPU. The other prefills load their own copy either way."""
+    placed = parse_devices(devices)
+    if not placed:
+        return True
+    prefill_0 = placed.get("prefill", ["cuda:0"])[0]
+    return set(placed.get("decode", ["cuda:0"])) == {prefill_0}
 
 
 def warm_up(address: str, workloads: list[Workload], args) -> None:
@@ -161,6 +204,9 @@ def mode_summary(entry: dict, records: dict[str, list[metrics.CallRecord]], args
         effect["itl_series"] = {"with_burst": metrics.itl_series(records["trace+burst"], cohort),
                                 "without_burst": metrics.itl_series(records["trace"], cohort)}
         summary["burst"] = effect
+    balances = [w["load_balance"] for w in entry["workloads"].values() if "workers" in w.get("load_balance", {})]
+    if balances:
+        summary["load_balance"] = worker_balance.combined(balances)
     return summary
 
 
@@ -181,10 +227,13 @@ def comparison(modes: dict[str, dict]) -> dict:
     def total(entry: dict, key: str) -> int:
         return sum(w["counts"][key] for w in entry["workloads"].values())
 
-    return {name: {"goodput_rps": e.get("goodput_rps"),
+    return {name: {"topology": e.get("topology"), "goodput_rps": e.get("goodput_rps"),
                    "burst_p99_tpot_ratio": e.get("burst", {}).get("p99_ratio"),
                    "sent": total(e, "sent"), "lost": total(e, "lost"),
                    "errors": sum(sum(w["counts"]["errors"].values()) for w in e["workloads"].values()),
+                   "prefill_prompt_tokens_max_over_mean":
+                       e.get("load_balance", {}).get("prefill_prompt_tokens_max_over_mean"),
+                   "decode_requests_max_over_mean": e.get("load_balance", {}).get("decode_requests_max_over_mean"),
                    "failed": e.get("error")} for name, e in modes.items()}
 
 
@@ -196,14 +245,25 @@ def problems(modes: dict[str, dict]) -> list[str]:
               if "mps" in e and not e["mps"]["workers_are_clients"]]
     found += [f"{name}: skipped for time: {e['skipped_for_time']}" for name, e in modes.items()
               if e["skipped_for_time"]]
+    found += [f"{name}: {w}: load balance not read: {wl['load_balance']['error']}" for name, e in modes.items()
+              for w, wl in e["workloads"].items() if "error" in wl.get("load_balance", {})]
     return found
 
 
 def settings_record(args) -> dict:
-    record = {key: value for key, value in vars(args).items() if key not in ("slo", "mps_split", "out", "logs_dir")}
+    record = {key: value for key, value in vars(args).items()
+              if key not in ("slo", "mps_split", "out", "logs_dir", "topologies")}
     record["mps_split"] = {"decode_percent": args.mps_split.decode_percent,
                            "prefill_percent": args.mps_split.prefill_percent}
+    record["topologies"] = [t.label for t in args.topologies]
     return record
+
+
+def modes_to_run(args) -> list[Mode]:
+    """The modes named, the disaggregated one once per topology where there are topologies."""
+    if not args.topologies:
+        return [MODES[name] for name in args.modes]
+    return [MODES[name].laid_out(topology) for name in args.modes for topology in args.topologies]
 
 
 def run(args) -> dict:
@@ -217,93 +277,15 @@ def run(args) -> dict:
         if args.out:
             (args.out / "serving.json").write_text(json.dumps(report, indent=1))
 
-    for name in args.modes:
-        progress(f"{name}: starting")
-        entry = report["modes"].setdefault(name, {})
-        entry.update(mode_summary(entry, run_mode(MODES[name], entry, args, clock, save), args))
+    for mode in modes_to_run(args):
+        progress(f"{mode.name}: starting")
+        entry = report["modes"].setdefault(mode.name, {})
+        entry.update(mode_summary(entry, run_mode(mode, entry, args, clock, save), args))
         save()
     report["comparison"] = comparison(report["modes"])
     report["problems"] = problems(report["modes"])
     save()
     return report
-
-
-# ---- the command line -----------------------------------------------------------------------------
-
-def floats(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_serving", description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default: {CPU_MODES}; "
-                                        f"with --gpu: {GPU_MODES})")
-    parser.add_argument("--gpu", action="store_true", help="the stack on cuda:0 with the GPU bench's settings")
-    parser.add_argument("--model", help="default: embedded (CPU), random:llama-3.1-8b (--gpu)")
-    parser.add_argument("--out", type=Path, help="folder for serving.json")
-    parser.add_argument("--logs-dir", type=Path, help="the services' logs go to LOGS_DIR/<mode>/ (default: OUT/logs)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the prompts")
-    load = parser.add_argument_group("Poisson workloads")
-    load.add_argument("--rates", type=floats, default=floats("0.5,1,2"), help="requests/s, comma-separated; '' none")
-    load.add_argument("--duration-s", type=float, default=15.0, help="arrivals within this many seconds per rate")
-    load.add_argument("--requests-per-rate", type=int, help="instead of --duration-s: this many arrivals per rate")
-    load.add_argument("--prompt-tokens", type=int, default=128)
-    load.add_argument("--output-tokens", type=int, default=32, help="exact: EOS is ignored")
-    load.add_argument("--long-fraction", type=float, default=1.0,
-                      help="below 1: a mix, this share with --prompt-tokens, the rest --short-prompt-tokens")
-    load.add_argument("--short-prompt-tokens", type=int, default=64)
-    load.add_argument("--curve", default="", help="also a rate curve: a CSV of t_seconds,requests_per_second "
-                      "(e.g. loadtest/curves/bursty.csv), arrivals evenly paced along it, the same prompts")
-    load.add_argument("--curve-seconds", type=float, default=30.0, help="follow the curve this long at most")
-    trace = parser.add_argument_group("trace replay (loadtest/workload.py TraceScaling)")
-    trace.add_argument("--trace", default=str(DEFAULT_TRACE) if DEFAULT_TRACE.exists() else "",
-                       help="Mooncake-format jsonl; '' skips the replay")
-    trace.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace times (0.5: 2x faster)")
-    trace.add_argument("--rate-scale", type=float, default=0.5, help="below 1 keeps every k-th request")
-    trace.add_argument("--length-scale", type=float, default=1 / 8, help="multiplies input and output lengths")
-    trace.add_argument("--max-input-tokens", type=int, default=256)
-    trace.add_argument("--max-output-tokens", type=int, default=64)
-    trace.add_argument("--context-tokens", type=int, default=MODEL_CONTEXT, help="the model's context")
-    trace.add_argument("--replay-seconds", type=float, default=20.0, help="replay this much (scaled) time")
-    trace.add_argument("--burst-at-s", type=float, default=8.0)
-    trace.add_argument("--burst-requests", type=int, default=3, help="0: no burst (and no second replay)")
-    trace.add_argument("--burst-prompt-tokens", type=int, default=512)
-    trace.add_argument("--burst-output-tokens", type=int, default=8)
-    slo = parser.add_argument_group("objectives")
-    slo.add_argument("--slo-ttft-s", type=float, default=1.0)
-    slo.add_argument("--slo-tpot-s", type=float, default=0.1)
-    slo.add_argument("--slo-attainment", type=float, default=0.9, help="share of requests that must meet both")
-    floor = parser.add_argument_group("the transformers floor")
-    floor.add_argument("--floor-rates", type=floats, help="default: the lowest of --rates")
-    floor.add_argument("--floor-requests-per-rate", type=int, default=4)
-    running = parser.add_argument_group("the run")
-    running.add_argument("--request-timeout-s", type=float, default=120.0, help="gRPC deadline of each call")
-    running.add_argument("--drain-timeout-s", type=float, default=60.0,
-                         help="after the last arrival, wait this long, then cancel what is open (lost)")
-    running.add_argument("--channels", type=int, default=2, help="gRPC connections the calls spread over")
-    running.add_argument("--start-timeout-s", type=float, default=600.0, help="for a mode to become SERVING")
-    running.add_argument("--time-limit-s", type=float, default=0.0,
-                         help="skip what would end past this many seconds from the start; 0: no limit")
-    running.add_argument("--mps-split", type=MpsSplit.parse, default=MpsSplit(), metavar="D,P",
-                         help="SM percent of decode and prefill in the mps mode; 100: unlimited (default 100,30)")
-    args = parser.parse_args(argv)
-    args.modes = [m.strip() for m in (args.modes or (GPU_MODES if args.gpu else CPU_MODES)).split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}: choose from {list(MODES)}")
-    if "mps" in args.modes and not args.gpu:
-        parser.error("the mps mode needs --gpu")
-    args.model = args.model or ("random:llama-3.1-8b" if args.gpu else "embedded")
-    args.floor_rates = sorted(args.rates)[:1] if args.floor_rates is None else args.floor_rates
-    if any(r <= 0 for r in args.rates + args.floor_rates):
-        parser.error("rates must be positive")
-    if not args.rates and not args.trace and not args.curve:
-        parser.error("nothing to run: no --rates, --trace or --curve")
-    args.slo = metrics.Slo(args.slo_ttft_s, args.slo_tpot_s, args.slo_attainment)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    args.logs_dir = args.logs_dir or (args.out / "logs" if args.out else None)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

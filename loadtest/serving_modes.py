@@ -6,6 +6,11 @@
 - mps (GPU only): the disaggregated stack under our own MPS daemon, each worker limited to its
   share of the SMs;
 - transformers: `generate` served one request at a time (loadtest/transformers_server.py), the floor.
+
+Only the disaggregated mode has a layout to choose: laid out (Mode.laid_out) it runs N prefills and
+M decodes (services/stack/topology.py places them), under a name of its own ("disaggregated-2P1D"),
+so that several layouts sit side by side in one report. The others are one prefill and one decode
+by nature (colocated and mps: the pair they share a GPU between; transformers: no workers at all).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.mps_daemon import MpsDaemon, find_mps_control
@@ -22,15 +27,41 @@ from services.supervisor import REPO
 
 
 @dataclass(frozen=True)
+class Topology:
+    """How many prefill and decode workers the disaggregated mode runs."""
+
+    prefill: int
+    decode: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Topology":
+        """'2x1' -> two prefills, one decode."""
+        prefill, sep, decode = text.strip().lower().partition("x")
+        if not (sep and prefill.isdigit() and decode.isdigit() and int(prefill) >= 1 and int(decode) >= 1):
+            raise ValueError(f"a topology is PREFILLSxDECODES, each at least 1 (e.g. 2x1), got {text!r}")
+        return cls(int(prefill), int(decode))
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+@dataclass(frozen=True)
 class Mode:
     name: str
     services: tuple[str, ...]   # as LocalStack names them: under services/, or a dotted module
     sends_timings: bool         # whether the last chunk carries StageTimings
     mps: bool = False
+    topology: Topology | None = None  # set: the workers laid out as it says; None: one of each, as by nature
 
     def missing_modules(self) -> list[str]:
         """The services whose module is not in this checkout (one being written elsewhere, say)."""
         return [name for name in self.services if not module_exists(name)]
+
+    def laid_out(self, topology: Topology) -> "Mode":
+        if self.name not in LAYOUT_MODES:
+            raise ValueError(f"the {self.name} mode has no layout to choose: it is one prefill and one decode")
+        return replace(self, name=f"{self.name}-{topology.label}", topology=topology)
 
 
 MODES = {mode.name: mode for mode in (
@@ -39,6 +70,9 @@ MODES = {mode.name: mode for mode in (
     Mode("mps", ("router", "prefill", "decode"), sends_timings=True, mps=True),
     Mode("transformers", ("loadtest.transformers_server",), sends_timings=False),
 )}
+
+
+LAYOUT_MODES = ("disaggregated",)
 
 
 def module_exists(service: str) -> bool:
@@ -68,11 +102,14 @@ class MpsSplit:
 
 @contextmanager
 def serving(mode: Mode, workdir: Path, cache_dir: str, settings: dict[str, str], mps_split: MpsSplit,
-            start_timeout_s: float) -> Iterator[tuple[LocalStack, dict]]:
-    """The mode's processes, SERVING; yields the stack and facts for the report (the MPS check)."""
+            start_timeout_s: float, devices: str = "") -> Iterator[tuple[LocalStack, dict]]:
+    """The mode's processes, SERVING; yields the stack and facts for the report (the MPS check).
+    devices: stack.devices, for a laid-out mode's workers."""
     if not mode.mps:
+        layout = {} if mode.topology is None else {"prefill": mode.topology.prefill, "decode": mode.topology.decode,
+                                                   "devices": devices}
         with LocalStack(workdir, cache_dir, services=mode.services, start_timeout_s=start_timeout_s,
-                        **settings) as stack:
+                        **layout, **settings) as stack:
             yield stack, {}
         return
     daemon = MpsDaemon(find_mps_control(), workdir / "mps")

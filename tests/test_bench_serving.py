@@ -1,5 +1,6 @@
 """The serving benchmark: its metrics on constructed calls, its open-loop client against a fake
-server, and one real run of every mode on the CPU with the embedded model, plots included."""
+server, its topologies and per-worker balance, and real runs on the CPU with the embedded model:
+every mode, plots included, and the disaggregated mode laid out as two prefills and one decode."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import sys
 import grpc
 import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from loadtest import serving_metrics as metrics
-from loadtest import workload
-from loadtest.bench_serving import parse_args
+from loadtest import worker_balance, workload
+from loadtest.bench_gpu_stack import gpu_stack_settings
+from loadtest.bench_serving import decodes_share_weights, modes_to_run, parse_args, stack_settings
 from loadtest.percentiles import quantile
 from loadtest.serving_client import replay
-from loadtest.serving_modes import MODES, MpsSplit
+from loadtest.serving_modes import MODES, MpsSplit, Topology
 from loadtest.serving_workloads import mode_workloads
+from services.stack.topology import plan_workers
+from shared.config import env_name, load_config
 from tests.stack import REPO, free_port
 
 SLO = metrics.Slo(ttft_s=1.0, tpot_s=0.1)
@@ -148,6 +153,69 @@ def test_every_mode_gets_the_same_workload_and_the_floor_a_capped_part_of_it(tmp
                                                       "prefill": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}}
 
 
+# ---- topologies and the balance over workers ------------------------------------------------------------
+
+def test_topologies_lay_out_the_disaggregated_mode_and_refuse_the_others():
+    args = parse_args(["--topologies", "1x1,2x1,1x2", "--trace", ""])
+    laid_out = modes_to_run(args)
+    assert [m.name for m in laid_out] == ["disaggregated-1P1D", "disaggregated-2P1D", "disaggregated-1P2D"]
+    assert [m.topology for m in laid_out] == [Topology(1, 1), Topology(2, 1), Topology(1, 2)]
+    assert all(m.services == MODES["disaggregated"].services for m in laid_out)
+    assert [m.name for m in modes_to_run(parse_args(["--prefill", "2", "--trace", ""]))] == ["disaggregated-2P1D"]
+    assert [m.name for m in modes_to_run(parse_args(["--trace", ""]))] == ["disaggregated", "colocated", "transformers"]
+    for refused in (["--topologies", "2x1", "--modes", "disaggregated,colocated"], ["--prefill", "2", "--modes", "mps"],
+                    ["--topologies", "2y1"], ["--topologies", "0x1"], ["--topologies", "2x1", "--decode", "2"],
+                    ["--topologies", "1x1,1x1"], ["--devices", "prefill=0"], ["--gpu", "--devices", "prefill=a"]):
+        with pytest.raises(SystemExit):
+            parse_args(refused + ["--trace", ""])
+
+
+def test_gpu_topologies_all_plan_on_one_gpu_with_the_decodes_mapping_prefill_0():
+    """What `--gpu --topologies 1x1,2x1,1x2` asks of the stack on one GPU, planned here without one."""
+    args = parse_args(["--gpu", "--topologies", "1x1,2x1,1x2", "--trace", ""])
+    for mode in modes_to_run(args):
+        settings = stack_settings(args, mode)
+        env = {**settings, env_name("stack", "prefill"): str(mode.topology.prefill),
+               env_name("stack", "decode"): str(mode.topology.decode)}
+        plans = plan_workers(load_config(None, env), allowed_cores=list(range(16)), gpu_count=1)
+        assert {plan.device for plan in plans} == {"cuda:0"}, mode.name
+        assert len(plans) == mode.topology.prefill + mode.topology.decode
+        assert settings["PDSERVE_DECODE_WEIGHTS_FROM"] == "prefill-0"
+    assert decodes_share_weights("prefill=0,1 decode=0") and not decodes_share_weights("prefill=0 decode=1")
+    assert gpu_stack_settings("m", ("router", "prefill", "decode"), shared_weights=False)[
+        "PDSERVE_DECODE_WEIGHTS_FROM"] == ""
+
+
+def router_page(routed: dict[tuple[str, str], tuple[int, int]]) -> str:
+    """A Prometheus page with the router's two counters, as shared/metrics.py declares them."""
+    registry = CollectorRegistry()
+    requests = Counter(worker_balance.REQUESTS, "", ["worker_id", "role"], registry=registry)
+    tokens = Counter(worker_balance.PROMPT_TOKENS, "", ["worker_id", "role"], registry=registry)
+    for labels, (count, prompt_tokens) in routed.items():
+        requests.labels(*labels).inc(count)
+        tokens.labels(*labels).inc(prompt_tokens)
+    return generate_latest(registry).decode()
+
+
+def test_worker_balance_is_the_counters_difference_with_idle_workers_at_zero():
+    before = worker_balance.parse(router_page({("prefill-0", "prefill"): (2, 64), ("decode-0", "decode"): (2, 64)}))
+    after = worker_balance.parse(router_page({("prefill-0", "prefill"): (5, 160), ("prefill-1", "prefill"): (1, 32),
+                                              ("decode-0", "decode"): (6, 192)}))
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    balance = worker_balance.balance(worker_balance.routed_between(before, after, roles))
+    assert balance["workers"] == {"decode-0": {"role": "decode", "requests": 4, "prompt_tokens": 128},
+                                  "decode-1": {"role": "decode", "requests": 0, "prompt_tokens": 0},
+                                  "prefill-0": {"role": "prefill", "requests": 3, "prompt_tokens": 96},
+                                  "prefill-1": {"role": "prefill", "requests": 1, "prompt_tokens": 32}}
+    assert balance["prefill_prompt_tokens_max_over_mean"] == pytest.approx(96 / 64)
+    assert balance["decode_requests_max_over_mean"] == 2.0  # one of two decodes took everything
+    total = worker_balance.combined([balance, balance])
+    assert total["workers"]["prefill-0"]["prompt_tokens"] == 192 and total["decode_requests_max_over_mean"] == 2.0
+    assert worker_balance.max_over_mean([0, 0]) is None
+    unread = worker_balance.RouterCounters(f"http://127.0.0.1:{free_port()}/metrics", roles)
+    assert "error" in unread.since(unread.read())
+
+
 # ---- the open-loop client, against a fake server ------------------------------------------------------
 
 HANG, REFUSE = 99, 98  # max_tokens that make the fake server hang past the drain, or refuse
@@ -265,3 +333,35 @@ def assert_stages_fit(row: dict) -> None:
     assert timings["first_token_s"] <= row["ttft_s"] + 1e-3, row
     if row["tokens"] > 1:
         assert all(timings[stage] > 0 for stage in ("kv_handoff_s", "first_decode_step_s")), row
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_two_prefills_one_decode_end_to_end_with_a_balance_that_adds_up(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "loadtest.bench_serving", "--topologies", "2x1", "--out", str(out),
+               "--rates", "4", "--requests-per-rate", "6", "--prompt-tokens", "40", "--output-tokens", "3",
+               "--trace", "", "--slo-ttft-s", "30", "--slo-tpot-s", "30", "--drain-timeout-s", "60"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "serving.json").read_text())
+    assert report["problems"] == [] and list(report["modes"]) == ["disaggregated-2P1D"]
+    assert report["settings"]["topologies"] == ["2P1D"]
+    mode = report["modes"]["disaggregated-2P1D"]
+    assert mode["topology"] == "2P1D" and report["comparison"]["disaggregated-2P1D"]["topology"] == "2P1D"
+    load = mode["workloads"]["poisson-4"]
+    assert load["counts"] == {"sent": 6, "ok": 6, "errors": {}, "answered": 6, "lost": 0}
+    workers = load["load_balance"]["workers"]
+    assert set(workers) == {"prefill-0", "prefill-1", "decode-0"}
+
+    def total(role: str, key: str) -> int:
+        return sum(w[key] for w in workers.values() if w["role"] == role)
+
+    # Every request sent went through one prefill and one decode, and only those (not the warm-up).
+    assert total("prefill", "requests") == total("decode", "requests") == 6
+    sent_tokens = sum(row["prompt_tokens"] for row in load["requests"])
+    assert total("decode", "prompt_tokens") == sent_tokens
+    assert 0 < total("prefill", "prompt_tokens") <= sent_tokens  # a cached prefix is not computed again
+    assert 1.0 <= load["load_balance"]["prefill_prompt_tokens_max_over_mean"] <= 2.0
+    assert load["load_balance"]["decode_requests_max_over_mean"] == 1.0
+    assert mode["load_balance"]["workers"] == workers  # one workload: the mode's total is that workload's
