@@ -2,9 +2,8 @@
 stacks and the benchmarks' children all start and stop their processes here.
 
 Each service runs as `python -m <module>` from the repository root, in a session of its own: a
-Ctrl-C in the terminal reaches only the supervisor, which then stops each service with SIGTERM
-(then SIGINT, then SIGKILL: see stop()), and a SIGKILL to a laggard's process group also takes
-whatever that service started itself.
+Ctrl-C in the terminal reaches only the supervisor, which then stops each service with SIGTERM,
+and a SIGKILL to a laggard's process group also takes whatever that service started itself.
 
 Restarts follow systemd's `Restart=on-failure` with a backoff (`supervise`, RestartPolicy): a
 service that exits is started again after a delay that doubles up to a ceiling and falls back to
@@ -173,25 +172,20 @@ class Supervisor:
         return None
 
     def stop(self, grace_s: float | None = None) -> dict[str, int]:
-        """SIGTERM to every service (a worker drains: it finishes what it holds), SIGINT to those
-        still running after half the grace period (a worker fails what it holds and releases its
-        pool), SIGKILL to the process group of any still running at its end; returns each one's
-        exit code. Calling it again only reports them."""
+        """SIGTERM to every service (a worker drains: it finishes what it holds, and goes once the
+        router, stopping too, tells it Drained), SIGKILL to the process group of those still running
+        after the grace period; returns each one's exit code. Calling it again only reports them."""
         self._stopping.set()
         with self._lock:
             processes = dict(self.processes)
-        grace = self.grace_s if grace_s is None else grace_s
-        started = time.monotonic()
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)  # a no-op for one already reaped
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
         codes = {}
-        for sig, until in ((signal.SIGTERM, started + grace / 2), (signal.SIGINT, started + grace)):
-            for name, process in processes.items():
-                if name not in codes:
-                    process.send_signal(sig)  # a no-op for one already reaped
-            for name, process in processes.items():
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    codes.setdefault(name, process.wait(timeout=max(0.0, until - time.monotonic())))
         for name, process in processes.items():
-            if name not in codes:
+            try:
+                codes[name] = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 log.warning("service outlived the grace period: killing its process group", child=name,
                             pid=process.pid)
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
