@@ -33,6 +33,15 @@ def layout_bytes(layout: KvLayout) -> int:
     return 2 * layout.num_layers * layout.shard_stride_bytes
 
 
+def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
+    """Every shard of the pool as (byte offset of its page 0 in the buffer, bytes per page). A
+    transfer that moves raw bytes rather than typed pages (NIXL) moves page p of a request as one
+    region per shard: offset + p * bytes per page."""
+    item = torch.empty((), dtype=torch_dtype(layout)).element_size()
+    page_bytes = layout.page_size * layout.num_kv_heads * layout.head_dim * item
+    return [(shard * layout.shard_stride_bytes, page_bytes) for shard in range(2 * layout.num_layers)]
+
+
 def torch_dtype(layout: KvLayout) -> torch.dtype:
     return getattr(torch, layout.dtype)
 
