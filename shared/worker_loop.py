@@ -45,7 +45,7 @@ class WorkerLoop(abc.ABC):
         self.drain_timeout_s = worker.config.worker.drain_timeout_s
         self.drain_deadline: float | None = None  # set once draining
         self.draining_told = ""  # the router epoch that heard our Draining: a new router must hear it too
-        self.drained = False
+        self.drained_by = ""  # the router epoch that said Drained: nothing of ours is in flight there
         self.notify = worker.notify
         self.stream = stream
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
@@ -83,13 +83,16 @@ class WorkerLoop(abc.ABC):
         if self.link.epoch and self.link.epoch != self.draining_told:
             self.link.send(Draining(self.worker_id))
             self.draining_told = self.link.epoch
-        return self.drained or time.monotonic() > self.drain_deadline
+        return self.drained_by == self.link.epoch or time.monotonic() > self.drain_deadline
 
     def _on_drain(self, message: Drain) -> None:
         self.stop.drain.set()
 
     def _on_drained(self, message: Drained) -> None:
-        self.drained = self.drain_deadline is not None
+        # Kept even when not draining yet: a stopping router sends Drained to every worker at its
+        # SIGTERM, which may reach us before our own SIGTERM's drain has come round this loop.
+        # It holds for that router's epoch only; a new router must say it again.
+        self.drained_by = self.link.epoch
 
     @abc.abstractmethod
     def load(self) -> WorkerLoad: ...

@@ -192,6 +192,20 @@ def test_sigterm_drains_a_worker_its_requests_finish_and_it_exits_zero(stack, vi
     stack.assert_pools_drained()
 
 
+def test_a_worker_stopped_with_its_router_goes_at_once_though_the_routers_drained_came_first(stack):
+    """The whole stack stopped at once (make run's Ctrl-C, the tests): the stopping router tells
+    every worker Drained. Here the decode hears it before its own SIGTERM, frozen meanwhile, and
+    must still exit at once rather than wait worker.drain_timeout_s (60 s) for a router long gone."""
+    stack.signal("decode", signal.SIGSTOP)
+    try:
+        stack.signal("router", signal.SIGTERM)
+        stack.processes["router"].wait(timeout=30)
+        stack.signal("decode", signal.SIGTERM)
+    finally:
+        stack.signal("decode", signal.SIGCONT)
+    assert stack.processes["decode"].wait(timeout=15) == 0
+
+
 def test_a_prefill_busy_for_longer_than_the_heartbeat_timeout_stays_registered(stack):
     """The heartbeat thread borrows the worker's socket while its main thread computes: a prompt
     that keeps the prefill busy for several heartbeat timeouts (1.5 s) neither drops it nor fails."""
