@@ -74,6 +74,7 @@ class MsgKind(IntEnum):
     DRAINING = 21
     DRAINED = 22
     KV_CACHE_EVENTS = 23
+    POOL_UNREACHABLE = 24
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,14 @@ class PoolGone:
 
 
 @dataclass(frozen=True)
+class PoolUnreachable:
+    """Decode to router: it cannot pull from this prefill's pool (no backend, no peer access, another
+    layout), so the router pairs them no more until the prefill announces a pool again."""
+    prefill_worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class KvCacheEvents:
     """A prefill's prefix cache changed (shared/prefix_hash.py keys): sent in batches, at most
     every few milliseconds, so the router routes by what each prefill really holds."""
@@ -295,6 +304,7 @@ MESSAGE_TYPES: dict[MsgKind, type] = {
     MsgKind.REREGISTER: Reregister,
     MsgKind.POOL_AVAILABLE: PoolAvailable,
     MsgKind.POOL_GONE: PoolGone,
+    MsgKind.POOL_UNREACHABLE: PoolUnreachable,
     MsgKind.PREFILL_TASK: PrefillTask,
     MsgKind.KV_READY: KvReady,
     MsgKind.DECODE_TASK: DecodeTask,

@@ -115,3 +115,32 @@ def test_draining_a_decode_under_load_loses_none(checkpoint, tmp_path):
             generation_pb2_grpc.AdminStub(stack.channel).Drain(generation_pb2.DrainRequest(worker_id="decode-9"))
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
         stack.assert_pools_drained()
+
+
+def test_a_prefill_whose_pool_the_decode_cannot_map_gets_no_request(checkpoint, tmp_path):
+    """A prefill the decode cannot pull from (here a peer announcing a segment that does not exist,
+    idle and roomy, so the cost alone would pick it): the decode says PoolUnreachable and the
+    router routes every request to the prefill it can pull from."""
+    from shared.messages import PrefillTask, Registered, Role
+    from tests.protocol_peer import ProtocolPeer
+    from tests.test_control_plane import _fingerprint
+
+    with ServiceStack(tmp_path, CACHE_DIR) as stack:
+        peer = ProtocolPeer(f"ipc://{tmp_path}/run/router.ipc", "prefill-9", Role.PREFILL, _fingerprint(checkpoint),
+                            total_pages=100_000)
+        try:
+            peer.register()
+            peer.receive(Registered)
+            deadline = time.monotonic() + 30
+            while "pair avoided" not in stack.log_path("router").read_text():
+                assert time.monotonic() < deadline, "the decode never said it cannot reach prefill-9"
+                time.sleep(0.1)
+            with ThreadPoolExecutor(4) as pool:
+                outputs = list(pool.map(lambda p: _token_ids(stack.stub, _greedy(p, 4)), PROMPTS[:4]))
+            assert all(len(tokens) == 4 for tokens in outputs)
+            with pytest.raises(TimeoutError):
+                peer.receive(PrefillTask, timeout_s=0.5)
+            assert _served_by(stack)["prefill"] == Counter({"prefill-0": 4})
+        finally:
+            peer.close()
+        stack.assert_pools_drained()

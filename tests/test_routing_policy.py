@@ -57,10 +57,24 @@ def test_a_decode_is_chosen_by_requests_in_flight_and_promised_pages():
     crowded, roomy = _worker("decode-0", Role.DECODE), _worker("decode-1", Role.DECODE)
     crowded.reservations.update({"a": 1, "b": 1, "c": 1})
     roomy.reservations["d"] = 90  # one request, but 90% of its pool promised: 1 + 4 * 0.9 > 3 + 4 * 0.03
+    prefill = _worker("prefill-0")
     policy = RoutingPolicy(RoutingConfig(), PAGE)
-    assert policy.pick_decode([crowded, roomy], _request([1, 2, 3]), 5) is crowded
-    assert RoutingPolicy(RoutingConfig(decode_kv_weight=0.0), PAGE).pick_decode(
-        [crowded, roomy], _request([1, 2, 3]), 5) is roomy
+    assert policy.pick_pair([prefill], [crowded, roomy], _request([1, 2, 3]), 1, 5) == (prefill, crowded)
+    assert RoutingPolicy(RoutingConfig(decode_kv_weight=0.0), PAGE).pick_pair(
+        [prefill], [crowded, roomy], _request([1, 2, 3]), 1, 5) == (prefill, roomy)
+
+
+def test_a_pair_whose_decode_cannot_pull_from_the_prefill_is_never_chosen():
+    near, far = _worker("prefill-0"), _worker("prefill-1")
+    far.pending_tokens["queued"] = 500  # near is the cheaper prefill
+    decode = _worker("decode-0", Role.DECODE)
+    decode.unreachable["prefill-0"] = "a decode on cpu cannot pull a 'cuda_ipc' pool"
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_pair([near, far], [decode], _request([1, 2, 3]), 1, 1) == (far, decode)
+    assert policy.pick_pair([near], [decode], _request([1, 2, 3]), 1, 1) is None
+    other = _worker("decode-1", Role.DECODE)
+    other.reservations.update({"a": 1, "b": 1})  # costlier, but it reaches the cheaper prefill
+    assert policy.pick_pair([near, far], [decode, other], _request([1, 2, 3]), 1, 1) == (near, other)
 
 
 def test_draining_full_and_failed_workers_are_no_candidates():

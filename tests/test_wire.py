@@ -35,6 +35,7 @@ SAMPLES = [
     m.KvCacheEvents("prefill-0", stored=["9a0f", "77c1"], evicted=["0b3e"], cleared=False),
     m.PoolAvailable("prefill-0", HANDLE),
     m.PoolGone("prefill-0"),
+    m.PoolUnreachable("prefill-0", "no backend here pulls a 'nixl' pool"),
     m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP, sent_at=1795940000.25),
     m.KvReady("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, None, queued_s=0.001, compute_s=0.25,
               ready_at=1795940000.5, cached_tokens=32),

@@ -44,6 +44,7 @@ from shared.messages import (
     KvPulled,
     PoolAvailable,
     PoolGone,
+    PoolUnreachable,
     Role,
     TokenBatch,
     TokenOut,
@@ -160,6 +161,7 @@ class DecodeWorker(WorkerLoop):
             self.puller.map_pool(message.prefill_worker_id, message.pool)
         except HandoffError as exc:
             log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=str(exc))
+            self.link.send(PoolUnreachable(message.prefill_worker_id, str(exc)))
 
     def _on_pool_gone(self, message: PoolGone) -> None:
         self.puller.unmap_pool(message.prefill_worker_id)

@@ -93,7 +93,8 @@ class Admission:
         request.failed_on.add(request.prefill.worker_id)
         self.release(request.prefill, request)
         pages = self.pages_needed(request)[Role.PREFILL]
-        prefill = self.policy.pick_prefill(self.registry.serving(Role.PREFILL), request, pages)
+        prefills = self.policy.reachable(self.registry.serving(Role.PREFILL), [request.decode])
+        prefill = self.policy.pick_prefill(prefills, request, pages)
         if prefill is None:
             return False
         self._reserve_prefill(request, prefill, pages)
@@ -101,10 +102,11 @@ class Admission:
 
     def _place(self, request: InflightRequest) -> bool:
         needed = self.pages_needed(request)
-        prefill = self.policy.pick_prefill(self.registry.serving(Role.PREFILL), request, needed[Role.PREFILL])
-        decode = self.policy.pick_decode(self.registry.serving(Role.DECODE), request, needed[Role.DECODE])
-        if prefill is None or decode is None:
+        pair = self.policy.pick_pair(self.registry.serving(Role.PREFILL), self.registry.serving(Role.DECODE), request,
+                                     needed[Role.PREFILL], needed[Role.DECODE])
+        if pair is None:
             return False
+        prefill, decode = pair
         self._reserve_prefill(request, prefill, needed[Role.PREFILL])
         request.decode = decode
         decode.reservations[request.request_id] = needed[Role.DECODE]

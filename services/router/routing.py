@@ -10,7 +10,8 @@
 When the prefills' queues differ by more than routing.balance_tokens, the cache is left out of
 the prefill cost and the least loaded takes the prompt, so a hot prefix cannot pile every request
 onto one prefill. Workers that are draining, that lack room for the request, or that the request
-already failed on are not candidates. Ties go to the worker with the most unpromised room.
+already failed on are not candidates, nor is a pair whose decode cannot pull from the prefill's pool
+(PoolUnreachable). Ties go to the worker with the most unpromised room.
 """
 
 from __future__ import annotations
@@ -50,9 +51,20 @@ class RoutingPolicy:
         return min(candidates, default=None, key=lambda w: (
             w.pending_prompt_tokens + weight * self.tokens_to_compute(w, request), -w.room))
 
-    def pick_decode(self, workers: list[Worker], request: InflightRequest, pages: int) -> Worker | None:
-        return min(self._candidates(workers, request, pages), key=lambda w: (self.decode_cost(w), -w.room),
-                   default=None)
+    def pick_pair(self, prefills: list[Worker], decodes: list[Worker], request: InflightRequest,
+                  prefill_pages: int, decode_pages: int) -> tuple[Worker, Worker] | None:
+        """The prefill by its cost among those some decode with room can pull from, then the
+        cheapest decode that can pull from it."""
+        decodes = self._candidates(decodes, request, decode_pages)
+        prefill = self.pick_prefill(self.reachable(prefills, decodes), request, prefill_pages)
+        decode = min((d for d in decodes if prefill is not None and prefill.worker_id not in d.unreachable),
+                     key=lambda w: (self.decode_cost(w), -w.room), default=None)
+        return (prefill, decode) if decode is not None else None
+
+    @staticmethod
+    def reachable(prefills: list[Worker], decodes: list[Worker]) -> list[Worker]:
+        """The prefills at least one of these decodes can pull from."""
+        return [p for p in prefills if any(p.worker_id not in d.unreachable for d in decodes)]
 
     @staticmethod
     def _candidates(workers: list[Worker], request: InflightRequest, pages: int) -> list[Worker]:

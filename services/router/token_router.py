@@ -39,9 +39,9 @@ from shared import metrics, wire
 from shared.config import Config
 from shared.dispatch import Dispatcher
 from shared.messages import (PROTOCOL_VERSION, Abort, DecodeTask, Deregister, Drain, Drained, Draining, ErrorCode,
-                             Failed, Heartbeat, KvCacheEvents, KvPulled, KvReady, PoolAvailable,
-                             PoolGone, PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister, Role,
-                             TokenBatch)
+                             Failed, Heartbeat, KvCacheEvents, KvPulled, KvReady, PoolAvailable, PoolGone,
+                             PoolUnreachable, PrefillTask, Refused, Register, Registered, ReleaseKv, Reregister,
+                             Role, TokenBatch)
 from shared.zmq_security import secure_server
 
 log = structlog.get_logger()
@@ -96,6 +96,7 @@ class TokenRouter:
             Register: self._on_register, Heartbeat: self._on_heartbeat, KvReady: self._on_kv_ready,
             KvPulled: self._on_kv_pulled, TokenBatch: self._on_token_batch, Failed: self._on_failed,
             Deregister: self._on_deregister, Draining: self._on_draining, KvCacheEvents: self._on_kv_cache_events,
+            PoolUnreachable: self._on_pool_unreachable,
         })
 
     async def start(self) -> None:
@@ -119,7 +120,7 @@ class TokenRouter:
         self._context.term()
 
     def serving(self) -> bool:
-        return bool(self.registry.serving(Role.PREFILL)) and bool(self.registry.serving(Role.DECODE))
+        return self.registry.paired()
 
     def drain(self, worker_id: str) -> bool:
         """Asks a worker to drain (it answers Draining); False if no such worker is registered."""
@@ -292,6 +293,7 @@ class TokenRouter:
         metrics.watch_routed(worker)
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
+                decode.unreachable.pop(worker.worker_id, None)  # a new pool: the decode tries it afresh
                 self._send(decode, PoolAvailable(worker.worker_id, message.pool))
         else:
             for prefill in self.registry.of_role(Role.PREFILL):
@@ -316,6 +318,15 @@ class TokenRouter:
             prefill.cached_keys.clear()
         prefill.cached_keys.difference_update(message.evicted)
         prefill.cached_keys.update(message.stored)
+
+    def _on_pool_unreachable(self, peer: Peer, message: PoolUnreachable) -> None:
+        decode = peer.worker
+        if decode is None or decode.role != Role.DECODE:
+            return
+        log.warning("pair avoided: the decode cannot pull from the prefill's pool", decode=decode.worker_id,
+                    prefill=message.prefill_worker_id, reason=message.reason)
+        decode.unreachable[message.prefill_worker_id] = message.reason
+        self._on_workers_changed(self.serving())
 
     def _on_deregister(self, peer: Peer, message: Deregister) -> None:
         if peer.worker is not None and peer.worker.worker_id == message.worker_id:

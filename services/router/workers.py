@@ -28,6 +28,7 @@ class Worker:
     pending_tokens: dict[str, int] = field(default_factory=dict)
     draining: bool = False    # takes no new work (services/router/routing.py skips it)
     cached_keys: set[str] = field(default_factory=set)  # a prefill's prefix cache, as its KvCacheEvents say
+    unreachable: dict[str, str] = field(default_factory=dict)  # a decode's prefills it cannot pull from, and why
     unknown_holding: set[str] = field(default_factory=set)  # held, by its last heartbeat, unknown to the router
     free_pages: int = 0       # as the worker last reported
     running: int = 0
@@ -87,6 +88,11 @@ class WorkerRegistry:
     def serving(self, role: Role) -> list[Worker]:
         """The workers of that role that take new work."""
         return [w for w in self.of_role(role) if not w.draining]
+
+    def paired(self) -> bool:
+        """Whether some serving prefill and serving decode can hand KV over to each other."""
+        return any(prefill.worker_id not in decode.unreachable
+                   for prefill in self.serving(Role.PREFILL) for decode in self.serving(Role.DECODE))
 
     def largest_pool(self, role: Role) -> int:
         return max((w.total_pages for w in self.of_role(role)), default=0)
