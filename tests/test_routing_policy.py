@@ -86,3 +86,13 @@ def test_draining_full_and_failed_workers_are_no_candidates():
     policy = RoutingPolicy(RoutingConfig(), PAGE)
     assert policy.pick_prefill([draining, full, failed, fine], request, 2) is fine
     assert policy.pick_prefill([draining, full, failed], request, 2) is None
+
+
+def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():
+    from services.router.workers import WorkerRegistry
+    registry = WorkerRegistry()
+    prefill, decode = _worker("prefill-0"), _worker("decode-0", Role.DECODE)
+    registry.workers.update({"prefill-0": prefill, "decode-0": decode})
+    assert registry.paired()
+    decode.unreachable["prefill-0"] = "a decode on cpu cannot pull a 'cuda_ipc' pool"
+    assert not registry.paired()

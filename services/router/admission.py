@@ -43,8 +43,9 @@ class Admission:
 
     async def admit(self, request: InflightRequest) -> None:
         """Returns once the request is placed; raises RequestError when it cannot be."""
-        if not self.registry.serving(Role.PREFILL) or not self.registry.serving(Role.DECODE):
-            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are serving")
+        if not self.registry.paired():
+            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are serving "
+                                                      "(or none of the decodes can pull from a prefill)")
         for role, pages in self.pages_needed(request).items():
             largest = self.registry.largest_pool(role)
             if pages > largest:
