@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.router.request import InflightRequest
 from services.router.routing import RoutingPolicy
 from services.router.validation import Job
-from services.router.workers import Worker
+from services.router.workers import Worker, WorkerRegistry
 from shared.config import RoutingConfig
 from shared.messages import ModelFingerprint, Role, SamplingParams, StopParams
 from shared.prefix_hash import page_keys
@@ -89,7 +89,6 @@ def test_draining_full_and_failed_workers_are_no_candidates():
 
 
 def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():
-    from services.router.workers import WorkerRegistry
     registry = WorkerRegistry()
     prefill, decode = _worker("prefill-0"), _worker("decode-0", Role.DECODE)
     registry.workers.update({"prefill-0": prefill, "decode-0": decode})
