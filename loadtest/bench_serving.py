@@ -2,6 +2,7 @@
 
     python -m loadtest.bench_serving [--modes disaggregated,colocated,transformers] [--out DIR] [--gpu]
     python -m loadtest.bench_serving --topologies 1x1,2x1,1x2 [--devices 'prefill=0,1 decode=2'] ...
+    python -m loadtest.bench_serving --prefill 2 --prefix-cache on,off --routing prefix,load --rates '' ...
 
 For each mode (loadtest/serving_modes.py) it starts the processes, warms them up, replays every
 workload, and stops them. The workloads, fixed before the first mode starts so every mode gets the
@@ -11,7 +12,11 @@ same requests at the same times:
 - curve (with --curve): arrivals evenly paced along a requests-per-second curve, the same prompts;
 - trace+burst and trace: the production trace replayed (scaled), with and without --burst-requests
   long prompts all arriving at --burst-at-s; the requests already decoding then have their TPOT
-  compared with the same requests' TPOT in the replay without the burst.
+  compared with the same requests' TPOT in the replay without the burst;
+- trace-xS (with --trace-speeds): the same replay S times as fast; the trace's goodput is found over
+  the replays' rates, as the Poisson goodput over --rates.
+No two workloads share a prompt prefix (loadtest/serving_workloads.py salts each), so that with the
+prefix cache on a workload is served cold, whatever ran before it.
 The transformers floor serves one request at a time, so it gets only --floor-rates (default: the
 lowest rate), each cut to --floor-requests-per-rate requests, and no trace.
 
@@ -22,6 +27,12 @@ model.device, cuda:0 with --gpu). These flags lay out the disaggregated mode onl
 are one prefill and one decode by nature and are refused beside them. Each workload of a mode with a
 router also reports its load balance (loadtest/worker_balance.py): requests and prompt tokens the
 router sent each worker during it, from the router's counters, and max / mean over each role.
+
+--prefix-cache on,off runs each mode once with prefill.prefix_cache on and once off; --routing
+prefix,load, with two or more prefills, once routed by prefix and once by load alone
+(serving_modes.Mode.variants). Every workload reports the prompt tokens sent, taken from the cache
+and computed, and the report pairs the variants (loadtest/prefix_comparison.py): TTFT and goodput
+with the cache against without, and hit rate and TTFT by routing.
 
 The defaults fit a 2-core CPU with the embedded model (about 5 minutes); --gpu takes the GPU stack
 bench's settings (loadtest/bench_gpu_stack.py) and adds the mps mode.
@@ -46,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest import prefix_comparison
 from loadtest import serving_metrics as metrics
 from loadtest import worker_balance
 from loadtest.bench_gpu_stack import gpu_stack_settings
@@ -90,6 +102,8 @@ def run_mode(mode: Mode, entry: dict, args, clock: Clock, save) -> dict[str, lis
     entry.update(services=list(mode.services), sends_timings=mode.sends_timings, workloads={}, skipped_for_time=[])
     if mode.topology is not None:
         entry.update(topology=mode.topology.label, devices=args.devices)
+    if mode.variant_of is not None:
+        entry.update(variant_of=mode.variant_of, prefix_cache=mode.prefix_cache, prefix_routing=mode.prefix_routing)
     missing = mode.missing_modules()
     if missing:
         entry["error"] = f"not in this checkout: {missing}"
@@ -154,8 +168,10 @@ def balance_line(balance: dict) -> str:
 
 def stack_settings(args, mode: Mode) -> dict[str, str]:
     if args.gpu:
-        return gpu_stack_settings(args.model, mode.services, shared_weights=decodes_share_weights(args.devices))
-    return {"PDSERVE_MODEL_PATH": args.model}
+        settings = gpu_stack_settings(args.model, mode.services, shared_weights=decodes_share_weights(args.devices))
+    else:
+        settings = {"PDSERVE_MODEL_PATH": args.model}
+    return {**settings, **mode.settings()}
 
 
 def decodes_share_weights(devices: str) -> bool:
@@ -188,16 +204,23 @@ def run_workload(address: str, mode: Mode, load: Workload, args) -> list[metrics
 
 
 def workload_report(load: Workload, records: list[metrics.CallRecord], slo: metrics.Slo) -> dict:
-    return {"offered_rps": load.offered_rps, "schedule_s": load.length_s, **metrics.summarize(records, slo)}
+    return {"family": load.family, "offered_rps": load.offered_rps, "schedule_s": load.length_s,
+            **metrics.summarize(records, slo)}
+
+
+def goodput_fields(entry: dict, family: str, slo: metrics.Slo, prefix: str = "") -> dict:
+    """The goodput over the rates of one family of workloads (the Poisson rates, the trace's speeds)."""
+    attainment = {w["offered_rps"]: w["slo_attainment"] for w in entry["workloads"].values()
+                  if w["family"] == family and w["offered_rps"]}
+    found = metrics.goodput(attainment, slo) if attainment else None
+    return {f"{prefix}attainment_by_rate": {f"{rate:g}": share for rate, share in attainment.items()},
+            f"{prefix}goodput_rps": found,
+            # The highest rate tried met the objective: the real goodput is that or more.
+            f"{prefix}goodput_may_be_higher": bool(attainment) and found == max(attainment)}
 
 
 def mode_summary(entry: dict, records: dict[str, list[metrics.CallRecord]], args) -> dict:
-    attainment = {w["offered_rps"]: w["slo_attainment"] for w in entry["workloads"].values() if w["offered_rps"]}
-    found = metrics.goodput(attainment, args.slo) if attainment else None
-    summary = {"attainment_by_rate": {f"{rate:g}": share for rate, share in attainment.items()},
-               "goodput_rps": found,
-               # The highest rate tried met the objective: the real goodput is that or more.
-               "goodput_may_be_higher": bool(attainment) and found == max(attainment)}
+    summary = {**goodput_fields(entry, "poisson", args.slo), **goodput_fields(entry, "trace", args.slo, "trace_")}
     if "trace+burst" in records and "trace" in records:
         effect = metrics.burst_effect(records["trace+burst"], records["trace"], args.burst_at_s)
         cohort = set(effect["decoding_requests"])
@@ -228,6 +251,7 @@ def comparison(modes: dict[str, dict]) -> dict:
         return sum(w["counts"][key] for w in entry["workloads"].values())
 
     return {name: {"topology": e.get("topology"), "goodput_rps": e.get("goodput_rps"),
+                   "trace_goodput_rps": e.get("trace_goodput_rps"),
                    "burst_p99_tpot_ratio": e.get("burst", {}).get("p99_ratio"),
                    "sent": total(e, "sent"), "lost": total(e, "lost"),
                    "errors": sum(sum(w["counts"]["errors"].values()) for w in e["workloads"].values()),
@@ -260,10 +284,13 @@ def settings_record(args) -> dict:
 
 
 def modes_to_run(args) -> list[Mode]:
-    """The modes named, the disaggregated one once per topology where there are topologies."""
+    """The modes named, the disaggregated one once per topology where there are topologies, each as
+    the variants that --prefix-cache and --routing ask for."""
     if not args.topologies:
-        return [MODES[name] for name in args.modes]
-    return [MODES[name].laid_out(topology) for name in args.modes for topology in args.topologies]
+        named = [MODES[name] for name in args.modes]
+    else:
+        named = [MODES[name].laid_out(topology) for name in args.modes for topology in args.topologies]
+    return [variant for mode in named for variant in mode.variants(args.prefix_cache, args.routing)]
 
 
 def run(args) -> dict:
@@ -283,6 +310,10 @@ def run(args) -> dict:
         entry.update(mode_summary(entry, run_mode(mode, entry, args, clock, save), args))
         save()
     report["comparison"] = comparison(report["modes"])
+    report["prefix_cache"] = prefix_comparison.cache_comparisons(report["modes"])
+    report["routing"] = prefix_comparison.routing_comparisons(report["modes"])
+    for line in prefix_comparison.summary_lines(report["prefix_cache"], report["routing"]):
+        progress(line)
     report["problems"] = problems(report["modes"])
     save()
     return report

@@ -58,7 +58,9 @@ def plot_goodput(report: dict, folder: Path) -> list[Path]:
     figure, (attained, throughput) = plt.subplots(1, 2, figsize=(12, 4.2))
     drawn = False
     for name, mode in measured_modes(report).items():
-        rows = sorted((w["offered_rps"], w) for w in mode["workloads"].values() if w["offered_rps"])
+        # The Poisson rates only (a report from before the trace's speeds has no family: all were Poisson).
+        rows = sorted((w["offered_rps"], w) for w in mode["workloads"].values()
+                      if w["offered_rps"] and w.get("family", "poisson") == "poisson")
         if not rows:
             continue
         drawn = True

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from loadtest import serving_metrics as metrics
-from loadtest.serving_modes import LAYOUT_MODES, MODES, MpsSplit, Topology
+from loadtest.serving_modes import CACHE_SETTINGS, CACHED_MODES, LAYOUT_MODES, MODES, ROUTINGS, MpsSplit, Topology
 from loadtest.workload import DEFAULT_TRACE, MODEL_CONTEXT
 from shared.config import ConfigError, parse_devices
 
@@ -16,6 +16,17 @@ GPU_MODES = "disaggregated,colocated,mps,transformers"
 
 def floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
+
+
+def named_settings(names: dict[str, bool]):
+    """A comma-separated list of these names, each at most once, as their values in the order given."""
+    def parse(text: str) -> list[bool]:
+        given = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [part for part in given if part not in names]
+        if unknown or len(set(given)) < len(given) or not given:
+            raise argparse.ArgumentTypeError(f"a list of {', '.join(names)}, each once, got {text!r}")
+        return [names[part] for part in given]
+    return parse
 
 
 def topologies(text: str) -> list[Topology]:
@@ -42,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="one disaggregated run per layout in one report, e.g. 1x1,2x1,1x2")
     layout.add_argument("--devices", default="", help="with --gpu: stack.devices, e.g. 'prefill=0,1 decode=2' "
                         "(default: every worker on model.device, cuda:0)")
+    cache = parser.add_argument_group("the prefix cache: each mode once per setting, side by side, compared")
+    cache.add_argument("--prefix-cache", type=named_settings(CACHE_SETTINGS), default=[], metavar="on,off",
+                       help="prefill.prefix_cache of each run (default: as configured, one run)")
+    cache.add_argument("--routing", type=named_settings(ROUTINGS), default=[], metavar="prefix,load",
+                       help="with two or more prefills and the cache on: routing.prefix_aware of each run; load: "
+                            "by queued prompt tokens alone (default: as configured, one run)")
     load = parser.add_argument_group("Poisson workloads")
     load.add_argument("--rates", type=floats, default=floats("0.5,1,2"), help="requests/s, comma-separated; '' none")
     load.add_argument("--duration-s", type=float, default=15.0, help="arrivals within this many seconds per rate")
@@ -52,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="below 1: a mix, this share with --prompt-tokens, the rest --short-prompt-tokens")
     load.add_argument("--short-prompt-tokens", type=int, default=64)
     load.add_argument("--curve", default="", help="also a rate curve: a CSV of t_seconds,requests_per_second "
-                      "(e.g. loadtest/curves/bursty.csv), arrivals evenly paced along it, the same prompts")
+                      "(e.g. loadtest/curves/bursty.csv), arrivals evenly paced along it, the same mix")
     load.add_argument("--curve-seconds", type=float, default=30.0, help="follow the curve this long at most")
     trace = parser.add_argument_group("trace replay (loadtest/workload.py TraceScaling)")
     trace.add_argument("--trace", default=str(DEFAULT_TRACE) if DEFAULT_TRACE.exists() else "",
@@ -64,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     trace.add_argument("--max-output-tokens", type=int, default=64)
     trace.add_argument("--context-tokens", type=int, default=MODEL_CONTEXT, help="the model's context")
     trace.add_argument("--replay-seconds", type=float, default=20.0, help="replay this much (scaled) time")
+    trace.add_argument("--whole-conversations", action="store_true",
+                       help="--rate-scale below 1 keeps that share of the conversations whole, not every k-th request")
+    trace.add_argument("--trace-speeds", type=floats, default=[1.0],
+                       help="replay the same requests once per speed, times divided by it (1,2: as scaled, then "
+                            "twice as fast); the trace's goodput is found over these rates")
     trace.add_argument("--burst-at-s", type=float, default=8.0)
     trace.add_argument("--burst-requests", type=int, default=3, help="0: no burst (and no second replay)")
     trace.add_argument("--burst-prompt-tokens", type=int, default=512)
@@ -87,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="SM percent of decode and prefill in the mps mode; 100: unlimited (default 100,30)")
     args = parser.parse_args(argv)
     laid_out = parse_layout(parser, args)
-    default_modes = ",".join(LAYOUT_MODES) if laid_out else GPU_MODES if args.gpu else CPU_MODES
+    varied = bool(args.prefix_cache or args.routing)
+    default_modes = ",".join(LAYOUT_MODES) if laid_out or varied else GPU_MODES if args.gpu else CPU_MODES
     args.modes = [m.strip() for m in (args.modes or default_modes).split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -98,10 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"only; {', '.join(fixed)}: one prefill and one decode by nature, run without these flags")
     if "mps" in args.modes and not args.gpu:
         parser.error("the mps mode needs --gpu")
+    check_variants(parser, args)
     args.model = args.model or ("random:llama-3.1-8b" if args.gpu else "embedded")
     args.floor_rates = sorted(args.rates)[:1] if args.floor_rates is None else args.floor_rates
     if any(r <= 0 for r in args.rates + args.floor_rates):
         parser.error("rates must be positive")
+    if any(s <= 0 for s in args.trace_speeds) or len(set(args.trace_speeds)) < len(args.trace_speeds):
+        parser.error("--trace-speeds must be positive, each once")
+    if args.trace and args.burst_requests and 1 not in args.trace_speeds:
+        parser.error("the burst is compared with the replay at speed 1: add 1 to --trace-speeds or --burst-requests 0")
     if not args.rates and not args.trace and not args.curve:
         parser.error("nothing to run: no --rates, --trace or --curve")
     args.slo = metrics.Slo(args.slo_ttft_s, args.slo_tpot_s, args.slo_attainment)
@@ -128,3 +156,14 @@ def parse_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> b
     except ConfigError as error:
         parser.error(f"--devices: {error}")
     return bool(args.topologies)
+
+
+def check_variants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--prefix-cache needs modes with a prefill; --routing, a layout with two prefills to choose from."""
+    without_cache = [m for m in args.modes if m not in CACHED_MODES]
+    if (args.prefix_cache or args.routing) and without_cache:
+        parser.error(f"--prefix-cache and --routing vary the prefill: {', '.join(without_cache)} has none")
+    if args.routing and not any(t.prefill > 1 for t in args.topologies):
+        parser.error("--routing chooses among prefills: give --prefill 2 or a topology of two or more (2x1)")
+    if args.routing and args.prefix_cache == [False]:
+        parser.error("--routing by prefix needs the prefix cache on")

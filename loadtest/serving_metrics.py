@@ -1,5 +1,6 @@
 """What the serving benchmark reports about a run: latency percentiles, SLO attainment, goodput,
-the stage breakdown, and the effect of a burst. Pure functions over CallRecords.
+the stage breakdown, the prompt tokens served from the prefix cache, and the effect of a burst.
+Pure functions over CallRecords.
 
 TTFT, TPOT, ITL and E2E are every load tool's, on one client clock: StreamRecord's, in
 loadtest/generate_client.py, which says how each is measured.
@@ -112,6 +113,19 @@ def mean_and_median(values: list[float]) -> dict | None:
     return {"mean": statistics.fmean(values), "p50": quantile(values, 0.5)} if values else None
 
 
+def prompt_tokens(records: list[CallRecord]) -> dict | None:
+    """Over the successful calls that carry timings: the prompt tokens sent, those the prefill took
+    from its prefix cache (StageTimings.cached_prompt_tokens), and those it computed; None when no
+    call carries timings (the transformers floor)."""
+    timed = [r for r in records if r.ok and r.timings]
+    if not timed:
+        return None
+    sent = sum(r.prompt_tokens for r in timed)
+    cached = sum(round(r.timings["cached_prompt_tokens"]) for r in timed)
+    return {"requests": len(timed), "sent": sent, "cached": cached, "computed": sent - cached,
+            "hit_rate": cached / sent if sent else 0.0}
+
+
 # ---- the burst --------------------------------------------------------------------------------------
 
 def decoding_at(records: list[CallRecord], at_s: float) -> list[CallRecord]:
@@ -158,6 +172,7 @@ def summarize(records: list[CallRecord], slo: Slo) -> dict:
         # How late the client started calls against their schedule: large means it could not keep up.
         "max_start_lag_s": max(lags, default=0.0),
         "stages": stage_breakdown(records),
+        "prompt_tokens": prompt_tokens(records),
         "cdf": {"ttft_s": cdf_points(ttfts), "tpot_s": cdf_points(tpots), "itl_s": cdf_points(itls)},
         "requests": [request_row(r) for r in records],
     }

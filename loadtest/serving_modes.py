@@ -11,6 +11,12 @@ Only the disaggregated mode has a layout to choose: laid out (Mode.laid_out) it 
 M decodes (services/stack/topology.py places them), under a name of its own ("disaggregated-2P1D"),
 so that several layouts sit side by side in one report. The others are one prefill and one decode
 by nature (colocated and mps: the pair they share a GPU between; transformers: no workers at all).
+
+A mode with a prefill can also be run as variants (Mode.variants), each under a name of its own and
+with variant_of naming the mode they vary, so that the report can pair them: with the prefix cache
+on and off ("disaggregated-cache-off", prefill.prefix_cache), and where it has prefills to choose
+from, routed by prefix or by load alone ("disaggregated-2P1D-cache-on-route-load",
+routing.prefix_aware).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from pathlib import Path
 from loadtest.mps_daemon import MpsDaemon, find_mps_control
 from services.stack.local import LocalStack
 from services.supervisor import REPO
+from shared.config import env_name
+
+CACHE_SETTINGS = {"on": True, "off": False}   # --prefix-cache: prefill.prefix_cache
+ROUTINGS = {"prefix": True, "load": False}     # --routing: routing.prefix_aware
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,9 @@ class Mode:
     sends_timings: bool         # whether the last chunk carries StageTimings
     mps: bool = False
     topology: Topology | None = None  # set: the workers laid out as it says; None: one of each, as by nature
+    prefix_cache: bool | None = None    # prefill.prefix_cache of this variant; None: as configured
+    prefix_routing: bool | None = None  # routing.prefix_aware of this variant; None: as configured
+    variant_of: str | None = None       # the name of the mode this one is a variant of
 
     def missing_modules(self) -> list[str]:
         """The services whose module is not in this checkout (one being written elsewhere, say)."""
@@ -62,6 +75,30 @@ class Mode:
         if self.name not in LAYOUT_MODES:
             raise ValueError(f"the {self.name} mode has no layout to choose: it is one prefill and one decode")
         return replace(self, name=f"{self.name}-{topology.label}", topology=topology)
+
+    @property
+    def prefills(self) -> int:
+        return self.topology.prefill if self.topology else 1
+
+    def variants(self, caches: list[bool], routings: list[bool]) -> list["Mode"]:
+        """One run per prefix cache setting given; where the cache is on and there are prefills to
+        choose from, one per routing given. Neither given: this mode alone, as configured."""
+        runs = []
+        for cache in caches or [None]:
+            mode = self if cache is None else self._varied(f"cache-{'on' if cache else 'off'}", prefix_cache=cache)
+            if routings and cache is not False and self.prefills > 1:
+                runs += [mode._varied(f"route-{'prefix' if r else 'load'}", prefix_routing=r) for r in routings]
+            else:
+                runs.append(mode)
+        return runs
+
+    def _varied(self, suffix: str, **setting: bool) -> "Mode":
+        return replace(self, name=f"{self.name}-{suffix}", variant_of=self.variant_of or self.name, **setting)
+
+    def settings(self) -> dict[str, str]:
+        """The PDSERVE_* variables of its variant."""
+        chosen = {("prefill", "prefix_cache"): self.prefix_cache, ("routing", "prefix_aware"): self.prefix_routing}
+        return {env_name(*key): str(value).lower() for key, value in chosen.items() if value is not None}
 
 
 MODES = {mode.name: mode for mode in (
@@ -73,6 +110,7 @@ MODES = {mode.name: mode for mode in (
 
 
 LAYOUT_MODES = ("disaggregated",)
+CACHED_MODES = ("disaggregated", "colocated", "mps")  # those with a prefill, so a prefix cache
 
 
 def module_exists(service: str) -> bool:

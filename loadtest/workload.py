@@ -56,12 +56,13 @@ class Mix:
     max_tokens: int = 128
     seed: int = 0
 
-    def request(self, index: int) -> RequestSpec:
-        """The index-th request: its class and tokens depend only on (seed, index)."""
+    def request(self, index: int, salt: str = "") -> RequestSpec:
+        """The index-th request: its class depends only on (seed, index), its tokens also on salt, so
+        that two workloads of the same mix (two rates) send equal lengths but share no prefix."""
         key = f"{self.seed}/{index}"
         is_long = random.Random(key).random() < self.long_fraction
         length = self.long_tokens if is_long else self.short_tokens
-        return RequestSpec("long" if is_long else "short", random_tokens(key, length), self.max_tokens,
+        return RequestSpec("long" if is_long else "short", random_tokens(f"{salt}/{key}", length), self.max_tokens,
                            seed=self.seed * 1_000_003 + index)
 
 
@@ -83,6 +84,12 @@ class TraceScaling:
     request below 1 (0.25: every 4th) and repeats each request above 1 (2: twice); length_scale
     multiplies input and output lengths and the 512-token block; the max_* bounds and the model's
     context then clamp them. Only arrivals before replay_seconds (scaled time) are kept.
+
+    whole_conversations: below 1, rate_scale keeps that share of the conversations, each with all
+    its requests, instead of every k-th request. A later turn repeats the blocks of the turns before
+    it, so thinning by request drops the turn whose prefix the next one would find cached: in the
+    conversation trace's first 10 minutes 28% of the blocks continue a prefix seen earlier in that
+    window, and 6% once every 10th request is kept.
     """
 
     time_scale: float = 1.0
@@ -92,6 +99,7 @@ class TraceScaling:
     max_output_tokens: int = MODEL_CONTEXT - 1
     context_tokens: int = MODEL_CONTEXT
     replay_seconds: float = 60.0
+    whole_conversations: bool = False
 
     @property
     def block_tokens(self) -> int:
@@ -110,18 +118,19 @@ def read_trace(path: Path | str = DEFAULT_TRACE) -> list[TraceRecord]:
 
 
 @lru_cache(maxsize=4096)
-def block_tokens(block_id: int, length: int) -> tuple[int, ...]:
-    """Equal hash ids give equal blocks, so requests sharing leading ids share a prefix."""
-    return random_tokens(f"block/{block_id}", length)
+def block_tokens(block_id: int, length: int, salt: str = "") -> tuple[int, ...]:
+    """Equal hash ids give equal blocks, so requests sharing leading ids share a prefix; a block of
+    another salt differs, so two replays of one trace share nothing (neither warms the other's cache)."""
+    return random_tokens(f"block/{salt}/{block_id}", length)
 
 
-def trace_prompt(hash_ids: Iterable[int], input_length: int, block_length: int) -> tuple[int, ...]:
+def trace_prompt(hash_ids: Iterable[int], input_length: int, block_length: int, salt: str = "") -> tuple[int, ...]:
     """The blocks of hash_ids in order, the last one cut so the prompt has input_length tokens."""
     tokens: list[int] = []
     for block_id in hash_ids:
         if len(tokens) >= input_length:
             break
-        tokens.extend(block_tokens(block_id, block_length))
+        tokens.extend(block_tokens(block_id, block_length, salt))
     if len(tokens) < input_length:
         raise ValueError(f"{len(tokens)} tokens of blocks cannot make a prompt of {input_length}")
     return tuple(tokens[:input_length])
@@ -142,15 +151,27 @@ def copies(index: int, rate_scale: float) -> int:
     return int((index + 1) * rate_scale) - int(index * rate_scale)
 
 
-def trace_schedule(records: list[TraceRecord], scaling: TraceScaling) -> list[Arrival]:
+def conversation_kept(record: TraceRecord, share: float) -> bool:
+    """Whether a request's conversation is among the `share` kept. A conversation is the requests
+    that share their first two blocks (the first is a system prompt every request of the trace shares)."""
+    return random.Random(f"conversation/{record.hash_ids[:2]}").random() < share
+
+
+def kept_copies(index: int, record: TraceRecord, scaling: TraceScaling) -> int:
+    if scaling.whole_conversations and scaling.rate_scale < 1:
+        return int(conversation_kept(record, scaling.rate_scale))
+    return copies(index, scaling.rate_scale)
+
+
+def trace_schedule(records: list[TraceRecord], scaling: TraceScaling, salt: str = "") -> list[Arrival]:
     arrivals = []
     for index, record in enumerate(records):
         at_s = record.timestamp_ms / 1000 * scaling.time_scale
         if at_s >= scaling.replay_seconds:
             break
         input_length, output_length = scaled_lengths(record, scaling)
-        for copy in range(copies(index, scaling.rate_scale)):
-            prompt = trace_prompt(record.hash_ids, input_length, scaling.block_tokens)
+        for copy in range(kept_copies(index, record, scaling)):
+            prompt = trace_prompt(record.hash_ids, input_length, scaling.block_tokens, salt)
             arrivals.append(Arrival(at_s, RequestSpec("trace", prompt, output_length, seed=index * 1009 + copy)))
     return sorted(arrivals, key=lambda a: a.at_s)
 
@@ -190,8 +211,9 @@ def curve_arrival_times(curve: list[tuple[float, float]], limit_s: float = float
     return times
 
 
-def curve_schedule(curve: list[tuple[float, float]], mix: Mix, limit_s: float = float("inf")) -> list[Arrival]:
-    return [Arrival(at_s, mix.request(index)) for index, at_s in enumerate(curve_arrival_times(curve, limit_s))]
+def curve_schedule(curve: list[tuple[float, float]], mix: Mix, limit_s: float = float("inf"),
+                   salt: str = "") -> list[Arrival]:
+    return [Arrival(at_s, mix.request(index, salt)) for index, at_s in enumerate(curve_arrival_times(curve, limit_s))]
 
 
 # ---- Poisson arrivals and bursts ------------------------------------------------------------------
@@ -209,9 +231,10 @@ def poisson_arrival_times(rate: float, seed: int | str, duration_s: float | None
         times.append(at)
 
 
-def poisson_schedule(rate: float, mix: Mix, duration_s: float | None = None, count: int | None = None) -> list[Arrival]:
+def poisson_schedule(rate: float, mix: Mix, duration_s: float | None = None, count: int | None = None,
+                     salt: str = "") -> list[Arrival]:
     times = poisson_arrival_times(rate, f"{mix.seed}/poisson/{rate}", duration_s, count)
-    return [Arrival(at_s, mix.request(index)) for index, at_s in enumerate(times)]
+    return [Arrival(at_s, mix.request(index, salt)) for index, at_s in enumerate(times)]
 
 
 def burst(at_s: float, count: int, prompt_tokens: int, max_tokens: int, seed: int = 0) -> list[Arrival]:
