@@ -155,6 +155,14 @@ class KvConfig:
     # not order on its own stream, as a NIXL read); below router.handoff_timeout_s, so the decode's
     # reason reaches the client rather than the router's stage timeout.
     transfer_timeout_s: float = _positive(default=30.0)
+    # How pages move from a prefill to a decode (shared/kv_transfer/choice.py): "shm" (host memory,
+    # one host), "cuda_ipc" (GPU memory, one host), "nixl" (NIXL over UCX, between hosts or within
+    # one; UCX's own variables, e.g. UCX_NET_DEVICES and UCX_TLS, pick its network), or "auto":
+    # the host's own kind for decodes on the prefill's host, NIXL for the others, offered only when
+    # router.zmq_address is tcp://. NIXL's data plane has no authentication of its own: keep it on
+    # a trusted network.
+    transfer: str = field(default="auto", metadata=_check(lambda v: v in ("auto", "shm", "cuda_ipc", "nixl"),
+                                                          "must be auto, shm, cuda_ipc or nixl"))
 
 
 @dataclass
@@ -262,6 +270,13 @@ class Config:
             raise ConfigError("router.tls_cert_file and router.tls_key_file go together: set both or neither")
         if self.kv.transfer_timeout_s >= self.router.handoff_timeout_s:
             raise ConfigError("kv.transfer_timeout_s must be below router.handoff_timeout_s")
+        on_gpu = self.model.device.startswith("cuda")
+        if self.kv.transfer == "shm" and on_gpu:
+            raise ConfigError(f"kv.transfer shm moves host memory, but the pools are on a GPU (model.device "
+                              f"{self.model.device}): use cuda_ipc, nixl or auto")
+        if self.kv.transfer == "cuda_ipc" and not on_gpu:
+            raise ConfigError(f"kv.transfer cuda_ipc moves GPU memory, but the pools are on {self.model.device}: "
+                              "use shm, nixl or auto")
         if self.router.auth_token_file and self.router.auth_token:
             raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
 
@@ -271,6 +286,9 @@ class Config:
         if service == "colocated" and self.decode.weights_from:
             raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
                               "decode share one model already")
+        if service == "colocated" and self.kv.transfer == "nixl":
+            raise ConfigError("kv.transfer nixl does not apply to services.colocated: its decode copies the "
+                              "prefill's pages within the process; use auto")
         if service == "colocated" and self.decode.idle_spin_s:
             raise ConfigError("decode.idle_spin_s must be 0 in services.colocated: a spinning decode thread "
                               "would hold the GIL its prefill thread needs")

@@ -17,8 +17,9 @@ request_id is only a label (logs and responses). A worker registers with a hands
 Registered or Refused); the router's epoch in Registered tells it the router it serves, and a
 worker that registers again (the router restarted, or dropped it) first drops every request it held.
 
-KV bytes never travel here: the prefill exports its pool once (KvPoolHandle), the router
-passes the handle to every decode (PoolAvailable), and per request only page ids move.
+KV bytes never travel here: the prefill exports its pool once (one KvPoolHandle per way of
+reaching it), the router passes the handles to every decode (PoolAvailable), and per request only
+page ids move.
 On the wire each message is a msgpack array [kind, field, ...] (shared/wire.py).
 """
 
@@ -46,7 +47,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
@@ -108,9 +109,9 @@ class KvLayout:
 
 @dataclass(frozen=True)
 class KvPoolHandle:
-    """How a decode maps a prefill's pool, exported once per process lifetime."""
-    backend: str        # "shm" (POSIX shared memory) or "cuda_ipc"
-    locator: bytes      # shm: the segment name; cuda_ipc: the serialized IPC handle
+    """One way for a decode to reach a prefill's pool, exported once per process lifetime."""
+    backend: str        # "shm" (POSIX shared memory), "cuda_ipc" or "nixl" (shared/kv_transfer)
+    locator: bytes      # shm: the segment name; cuda_ipc: the IPC handle; nixl: the agent's metadata and the buffer
     layout: KvLayout
 
 
@@ -134,7 +135,9 @@ class Register:
     pid: int                   # for operators' logs only
     total_pages: int
     page_size: int
-    pool: KvPoolHandle | None  # prefill only
+    # A prefill's pool, by each kind of transfer it offers, best first (shared/kv_transfer/choice.py);
+    # empty for a decode.
+    pool_handles: list[KvPoolHandle]
     fingerprint: ModelFingerprint
 
 
@@ -194,7 +197,7 @@ class Reregister:
 @dataclass(frozen=True)
 class PoolAvailable:
     prefill_worker_id: str
-    pool: KvPoolHandle
+    pool_handles: list[KvPoolHandle]  # Register.pool_handles, as the prefill sent them
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class WorkerLoop(abc.ABC):
     role: Role
 
     def __init__(self, worker: Worker, worker_id: str, total_pages: int, page_size: int,
-                 pool: KvPoolHandle | None, handlers: dict[type, Callable[[object], None]],
+                 pool_handles: list[KvPoolHandle], handlers: dict[type, Callable[[object], None]],
                  stream: torch.cuda.Stream | None):
         self.worker_id = worker_id
         self.stop = worker.stop
@@ -49,7 +49,7 @@ class WorkerLoop(abc.ABC):
         self.notify = worker.notify
         self.stream = stream
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
-                                total_pages, page_size, pool, worker.fingerprint)
+                                total_pages, page_size, pool_handles, worker.fingerprint)
         self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
                                worker.config.worker)
         self.dispatch = Dispatcher({**handlers, Drain: self._on_drain, Drained: self._on_drained})

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -264,3 +265,15 @@ def test_cache_on_off_and_routing_by_prefix_or_load_in_one_run(checkpoint, tmp_p
     routed = report["routing"][base]
     assert (routed["prefix"], routed["load"]) == (names[0], names[1])
     assert routed["workloads"]["trace"]["prefix"]["prompt_tokens"] == tokens[names[0]]["trace"]
+
+
+@pytest.mark.skipif(not workload.DEFAULT_TRACE.exists(), reason=f"no production trace at {workload.DEFAULT_TRACE}")
+def test_the_h200_slice_replays_as_the_full_trace_thinned_by_conversation():
+    """loadtest/traces/conversation_h200.jsonl, as its README makes it: the device cannot read ../shared."""
+    scaling = workload.TraceScaling(time_scale=16 / 1800, length_scale=1.0, max_input_tokens=8192, max_output_tokens=64,
+                                    context_tokens=131072, replay_seconds=16)
+    sliced = workload.trace_schedule(workload.read_trace(REPO / "loadtest/traces/conversation_h200.jsonl"), scaling)
+    thinned = workload.trace_schedule(workload.read_trace(), replace(scaling, rate_scale=0.01, whole_conversations=True))
+    assert len(sliced) == 59
+    assert [(a.at_s, a.spec.prompt_token_ids, a.spec.max_tokens) for a in sliced] == [
+        (a.at_s, a.spec.prompt_token_ids, a.spec.max_tokens) for a in thinned]

@@ -87,7 +87,8 @@ class DecodeWorker(WorkerLoop):
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages
-        self.puller = KvPuller(self.pool, self.scratch_page, config.kv.transfer_timeout_s)
+        self.puller = KvPuller(self.pool, self.scratch_page, self.allocator.free, config.kv.transfer_timeout_s,
+                               config.kv.transfer)
         stream = worker_stream(model.device, high_priority=True)
         # The most pages one request can hold: its whole context, within the pool.
         max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
@@ -97,7 +98,7 @@ class DecodeWorker(WorkerLoop):
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.pulling: dict[str, DecodingRequest] = {}   # kept out of the batch until their transfer is DONE
         self.last_busy = float("-inf")
-        super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, None,
+        super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
@@ -135,18 +136,19 @@ class DecodeWorker(WorkerLoop):
 
     def forget_all(self) -> None:
         self._acknowledge_pulls()  # copies in flight still land; the prefill's pages are its own concern
-        for request in self._drop_all():
-            self.allocator.free(request.pages)
+        self._drop_all()
 
     def fail_all(self, reason: str) -> None:
         for request in self._drop_all():
             self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, reason))
-            self.allocator.free(request.pages)
 
     def _drop_all(self) -> list[DecodingRequest]:
-        """Every request held, out of the batch, their unfinished transfers ended: pages to free."""
-        for request_id in self.pulling:
-            self.puller.cancel(request_id)
+        """Every request held, out of the batch, its pages freed (once its unfinished transfer,
+        ended now, has settled)."""
+        for request in self.pulling.values():
+            self.puller.drop(request.request_id, request.pages)
+        for request in [*self.running, *self.waiting]:
+            self.allocator.free(request.pages)
         dropped = [*self.running, *self.waiting, *self.pulling.values()]
         self.running, self.waiting, self.pulling = [], deque(), {}
         return dropped
@@ -158,7 +160,7 @@ class DecodeWorker(WorkerLoop):
 
     def _on_pool_available(self, message: PoolAvailable) -> None:
         try:
-            self.puller.map_pool(message.prefill_worker_id, message.pool)
+            self.puller.map_pool(message.prefill_worker_id, message.pool_handles)
         except HandoffError as exc:
             log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=str(exc))
             self.link.send(PoolUnreachable(message.prefill_worker_id, str(exc)))
@@ -200,13 +202,12 @@ class DecodeWorker(WorkerLoop):
         for failed in self.puller.failed():
             request = self.pulling.pop(failed.request_id, None)
             if request is not None:  # only a transfer the decode does not order on its stream fails
-                self.allocator.free(request.pages)
+                self.puller.drop(request.request_id, request.pages)
                 self.link.send(Failed(request.request_id, ErrorCode.UNAVAILABLE, f"KV transfer failed: {failed.error}"))
 
     def _on_abort(self, message: Abort) -> None:
         if message.request_id in self.pulling:
-            self.puller.cancel(message.request_id)
-            self.allocator.free(self.pulling.pop(message.request_id).pages)
+            self.puller.drop(message.request_id, self.pulling.pop(message.request_id).pages)
         for group in (self.running, self.waiting):
             for request in [r for r in group if r.request_id == message.request_id]:
                 group.remove(request)

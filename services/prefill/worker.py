@@ -9,7 +9,8 @@ Lifecycle of a request here:
      goes to the router -> the pages stay held until the router sends ReleaseKv (the decode has
      copied them) or Abort (the request is gone); then cached pages stay in the cache, the others
      are freed.
-The pool is exported once at start (shared/kv_transfer); only page ids leave this process. The
+The pool is exported once at start (shared/kv_transfer), by the kinds kv.transfer calls for;
+only page ids leave this process (a decode on another host reads the pages itself, by NIXL). The
 cache's changes go to the router in batches (services/prefill/cache_events.py). With
 prefill.prefix_cache off, no key is computed, so nothing is cached and every prompt runs whole.
 """
@@ -61,12 +62,14 @@ class PrefillWorker(WorkerLoop):
         layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
                              model.num_kv_heads, model.head_dim, model.embed.dtype)
         self.page_size = layout.page_size
-        self.exported = export_pool(layout, config.prefill.worker_id, model.device)
+        # Decodes may be on other hosts only where the control plane is tcp:// (choice.py).
+        cross_host = config.router.zmq_endpoint().startswith("tcp://") and not colocated
+        self.exported = export_pool(layout, config.prefill.worker_id, model.device, config.kv.transfer, cross_host)
         self.cache = PrefixCache(layout.num_pages, layout.page_size)
         self.use_cache = config.prefill.prefix_cache
         self.waiting: deque[Queued] = deque()
         self.held: dict[str, Lease] = {}
-        super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handle,
+        super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handles,
                          {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
                          worker_stream(model.device, high_priority=False))
         self.events = CacheEvents(self.worker_id, self.cache, self.link) if self.use_cache else None
@@ -112,6 +115,8 @@ class PrefillWorker(WorkerLoop):
             self._prefill(self.waiting.popleft())
         if self.events:
             self.events.flush()
+        for request_id in self.exported.read_notices():  # a NIXL read's notification; ReleaseKv frees the pages
+            log.debug("KV read by a decode", request_id=request_id)
 
     def forget_all(self) -> None:
         """The cache itself stays: its pages hold what their keys say whoever routes to us; the

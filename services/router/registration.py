@@ -27,7 +27,7 @@ class RegistrationPolicy:
             return version_refusal(message.protocol_version)
         if message.page_size != self.page_size:
             return f"KV page size {message.page_size}, but this router's kv.page_size is {self.page_size}"
-        if (message.role == Role.PREFILL) != (message.pool is not None):
+        if (message.role == Role.PREFILL) != bool(message.pool_handles):
             return "only a prefill exports a KV pool, and every prefill does"
         if self.security is not None and not self.security.permits(user_id, message.worker_id, message.role):
             return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"

@@ -294,10 +294,10 @@ class TokenRouter:
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
                 decode.unreachable.pop(worker.worker_id, None)  # a new pool: the decode tries it afresh
-                self._send(decode, PoolAvailable(worker.worker_id, message.pool))
+                self._send(decode, PoolAvailable(worker.worker_id, message.pool_handles))
         else:
             for prefill in self.registry.of_role(Role.PREFILL):
-                self._send(worker, PoolAvailable(prefill.worker_id, prefill.pool))
+                self._send(worker, PoolAvailable(prefill.worker_id, prefill.pool_handles))
         log.info("worker registered", worker=worker.worker_id, role=worker.role, pid=worker.pid,
                  incarnation=worker.incarnation, pages=worker.total_pages)
         self._on_workers_changed(self.serving())

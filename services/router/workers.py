@@ -17,7 +17,7 @@ class Worker:
     incarnation: str          # random per process start
     pid: int
     total_pages: int
-    pool: KvPoolHandle | None
+    pool_handles: list[KvPoolHandle]  # a prefill's, as it registered them
     fingerprint: ModelFingerprint
     last_seen: float = field(default_factory=time.monotonic)
     # Pages promised to each request in flight, by request id: the prompt's on a prefill until
@@ -62,7 +62,7 @@ class WorkerRegistry:
         if old is not None and old.incarnation == message.incarnation and old.identity == identity:
             return old, old
         worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
-                        message.total_pages, message.pool, message.fingerprint, free_pages=message.total_pages)
+                        message.total_pages, message.pool_handles, message.fingerprint, free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         return worker, old
 
