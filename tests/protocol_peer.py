@@ -48,12 +48,12 @@ class ProtocolPeer:
         raise TimeoutError(f"{self.worker_id} received no {kind.__name__} within {timeout_s} s")
 
     def register(self, protocol_version: int = PROTOCOL_VERSION) -> None:
-        pool = None
+        handles = []
         if self.role == Role.PREFILL:  # a pool nobody can map: this peer never hands KV over for real
             layout = make_layout(1, self.total_pages, self.page_size, 1, 8, torch.float32)
-            pool = KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout)
+            handles = [KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout)]
         self.send(Register(self.worker_id, self.role, protocol_version, "peer-incarnation", 0, self.total_pages,
-                           self.page_size, pool, self.fingerprint))
+                           self.page_size, handles, self.fingerprint))
 
     def heartbeat(self, holding: list[str] = ()) -> None:
         self.send(Heartbeat(self.worker_id, self.epoch, self.total_pages, 0, 0, 0.0, list(holding)))

@@ -112,15 +112,15 @@ def test_loops_stopped_by_the_signal_end_cleanly():
 
 def test_a_pool_exported_by_this_process_maps_to_the_exporters_own_pool():
     exported = export_pool(make_layout(2, 4, 16, 2, 8, torch.float32), "same-process", "cpu")
-    segment = Path("/dev/shm") / exported.handle.locator.decode()
-    mapped = ShmBackend.map_pool(exported.handle, torch.device("cpu"))
+    segment = Path("/dev/shm") / exported.handles[0].locator.decode()
+    mapped = ShmBackend.map_pool(exported.handles[0], torch.device("cpu"))
     assert isinstance(mapped, SameProcessMapping)
     assert mapped.pool.kv.data_ptr() == exported.pool.kv.data_ptr()
     mapped.close()
     exported.close()
     assert not segment.exists()
     with pytest.raises(FileNotFoundError):  # a closed export is no longer this process's to hand out
-        ShmBackend.map_pool(exported.handle, torch.device("cpu"))
+        ShmBackend.map_pool(exported.handles[0], torch.device("cpu"))
 
 
 def test_load_gauges_add_up_the_workers_of_one_process():

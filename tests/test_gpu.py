@@ -35,7 +35,7 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
                                                  dtype=torch.bfloat16)
     expected = exported.pool.kv[:, src_pages].view(torch.int16).double().sum().item()
     torch.cuda.synchronize()
-    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handles)))
     (tmp_path / "pages").write_text(",".join(map(str, src_pages.tolist())))
     child = textwrap.dedent(f"""
         import sys, time, torch
@@ -43,7 +43,7 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
         from shared import wire
         from shared.kv_pool import allocate_local_pool
         from shared.kv_transfer.cuda_ipc import CudaIpcBackend
-        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
+        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool_handles[0]
         src = torch.tensor([int(p) for p in Path({str(tmp_path / 'pages')!r}).read_text().split(",")], device="cuda")
         mapped = CudaIpcBackend.map_pool(handle, torch.device("cuda:0"))
         local, _ = allocate_local_pool(handle.layout, "cuda:0")
@@ -59,10 +59,10 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
     exported.close()
 
 
-def _pool_message(handle):
+def _pool_message(handles):
     from shared.messages import PoolAvailable
 
-    return PoolAvailable("prefill-test", handle)
+    return PoolAvailable("prefill-test", handles)
 
 
 def test_pull_lands_only_after_the_device_copied_it(tmp_path):
@@ -79,7 +79,7 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     expected = [exported.pool.kv[:, list(pages)].view(torch.int16).double().sum().item()
                 for pages in (range(100, 228), range(380, 508))]
     torch.cuda.synchronize()
-    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handles)))
     child = textwrap.dedent(f"""
         import time, torch
         from pathlib import Path
@@ -87,12 +87,12 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         from shared import wire
         from shared.kv_pool import allocate_local_pool, make_layout
         from shared.messages import DecodeTask, SamplingParams, StopParams
-        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool
+        handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool_handles[0]
         shape = handle.layout
         local, _ = allocate_local_pool(make_layout(shape.num_layers, 257, shape.page_size, shape.num_kv_heads,
                                                    shape.head_dim, torch.bfloat16), "cuda:0")
-        puller = KvPuller(local, 256)  # stages up to 2 x 257 + 2 page ids
-        puller.map_pool("prefill-test", handle)
+        puller = KvPuller(local, 256, lambda pages: None)  # stages up to 2 x 257 + 2 page ids
+        puller.map_pool("prefill-test", [handle])
 
         def pull(request_id, src, dst):
             task = DecodeTask(request_id, "prefill-test", wire.pack_page_ids(list(src)), 16 * len(src), 7,
@@ -290,7 +290,7 @@ _PEER = textwrap.dedent("""
     from pathlib import Path
     from shared import wire
     from shared.kv_transfer.cuda_ipc import CudaIpcBackend
-    mapped = CudaIpcBackend.map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool, torch.device("cuda:0"))
+    mapped = CudaIpcBackend.map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool_handles[0], torch.device("cuda:0"))
     checksum = lambda: mapped.pool.kv.view(torch.int16).double().sum().item()
     print(checksum(), flush=True)
     for line in sys.stdin:  # each line read: checksum again
@@ -311,7 +311,7 @@ def _exported_pool(tmp_path):
     exported = export_pool(layout, "lifetime", "cuda:0")
     exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
-    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handles)))
     return exported, exported.pool.kv.view(torch.int16).double().sum().item()
 
 
@@ -367,7 +367,7 @@ _PULL_THROUGH_PEER_ACCESS = textwrap.dedent("""
     from shared.messages import DecodeTask, SamplingParams, StopParams
 
     handle_file, device, other = sys.argv[1], select_device(sys.argv[2]), int(sys.argv[3])  # as a worker starts
-    handle = wire.decode(Path(handle_file).read_bytes()).pool
+    handle = wire.decode(Path(handle_file).read_bytes()).pool_handles[0]
     shape = handle.layout
     local, _ = allocate_local_pool(make_layout(shape.num_layers, 129, shape.page_size, shape.num_kv_heads,
                                                shape.head_dim, torch.bfloat16), device)
@@ -375,14 +375,14 @@ _PULL_THROUGH_PEER_ACCESS = textwrap.dedent("""
         cuda_ipc.device_index_of = lambda uuid: other
         answers, asked = [False, True], []
         torch.cuda.can_device_access_peer = lambda a, b: asked.append((a, b)) or answers[len(asked) - 1]
-    puller = KvPuller(local, 128)
+    puller = KvPuller(local, 128, lambda pages: None)
     if other >= 0:
         try:
-            puller.map_pool("prefill-test", handle)
+            puller.map_pool("prefill-test", [handle])
             sys.exit("mapped without peer access")
         except HandoffError as exc:
             assert f"has no peer access to cuda:{other}" in str(exc), exc
-    puller.map_pool("prefill-test", handle)
+    puller.map_pool("prefill-test", [handle])
     if other >= 0:
         assert asked == [(device.index, other)] * 2, asked
     task = DecodeTask("r", "prefill-test", wire.pack_page_ids(list(range(100, 228))), 16 * 128, 7,
@@ -405,7 +405,7 @@ def _pull_in_a_child(tmp_path, device: str, pretend_other: int) -> tuple[float, 
     exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape, device="cuda:0", dtype=torch.bfloat16))
     expected = exported.pool.kv[:, 100:228].view(torch.int16).double().sum().item()
     torch.cuda.synchronize()
-    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handle)))
+    (tmp_path / "handle").write_bytes(wire.encode(_pool_message(exported.handles)))
     out = subprocess.run([sys.executable, "-c", _PULL_THROUGH_PEER_ACCESS, str(tmp_path / "handle"), device,
                           str(pretend_other)], cwd=REPO, capture_output=True, text=True, timeout=300)
     exported.close()

@@ -30,8 +30,8 @@ def prefill():
 def puller(prefill):
     local, buffer = allocate_local_pool(make_layout(num_pages=SCRATCH + 1, **SPEC), "cpu")
     local.kv.fill_(-7.0)
-    puller = KvPuller(local, SCRATCH)
-    puller.map_pool("prefill-0", prefill.handle)
+    puller = KvPuller(local, SCRATCH, lambda pages: None)
+    puller.map_pool("prefill-0", prefill.handles)
     yield puller
     puller.close()
     del buffer

@@ -44,9 +44,9 @@ def local():
     del buffer
 
 
-def puller_of(local, export: FakeExport, timeout_s: float = 30.0) -> KvPuller:
-    puller = KvPuller(local, SCRATCH, timeout_s)
-    puller.map_pool("prefill-0", export.handle)
+def puller_of(local, export: FakeExport, timeout_s: float = 30.0, freed: list[int] | None = None) -> KvPuller:
+    puller = KvPuller(local, SCRATCH, (freed if freed is not None else []).extend, timeout_s)
+    puller.map_pool("prefill-0", [export.handle])
     return puller
 
 
@@ -108,26 +108,59 @@ def test_unmapping_waits_for_the_transfers_reading_the_pool(local):
         puller.pull(task([1]), [0])
 
 
-def test_a_cancelled_transfer_is_not_reported(local):
-    puller = puller_of(local, fake_export(Script(stall_at=TransferState.PREPARING)))
+def test_a_dropped_transfer_is_not_reported_and_its_pages_are_freed(local):
+    freed = []
+    puller = puller_of(local, fake_export(Script(stall_at=TransferState.PREPARING)), freed=freed)
     transfer = puller.pull(task([2]), [0])
-    puller.cancel("r1")
-    assert transfer.state is TransferState.FAILED
+    puller.drop("r1", [0, 1])
+    assert transfer.state is TransferState.FAILED and freed == [0, 1]
     assert puller.landed() == [] and puller.failed() == [] and not puller.copying
 
 
+@pytest.mark.parametrize("stall_at", [TransferState.PREPARING, TransferState.TRANSFERRING])
+def test_the_pages_of_a_read_that_goes_on_after_its_cancel_wait_until_it_settles(local, stall_at):
+    """As a NIXL read does: cancelled, it fails at once, yet its pages are freed only once it settled."""
+    freed = []
+    puller = puller_of(local, fake_export(Script(stall_at=stall_at, lingers_polls=3)), timeout_s=0.1, freed=freed)
+    aborted = puller.pull(task([2], "aborted"), [0])
+    timed_out = puller.pull(task([3], "timed-out"), [1])
+    puller.drop("aborted", [0, 4])
+    assert aborted.state is TransferState.FAILED and freed == []
+    time.sleep(0.15)
+    assert puller.failed() == [timed_out] and timed_out.error.startswith("not done within 0.1 s")
+    puller.drop("timed-out", [1, 5])
+    assert freed == [] and len(puller.settling) == 2
+    for _ in range(3):
+        puller.landed()  # each poll of the puller asks each once
+    assert sorted(freed) == [0, 1, 4, 5] and puller.settling == [] and not puller.copying
+
+
 def test_a_pool_no_backend_here_can_pull_is_refused_with_its_reason(local):
-    puller = KvPuller(local, SCRATCH)
-    with pytest.raises(HandoffError, match="a decode on cpu cannot pull a 'nixl' pool"):
-        puller.map_pool("prefill-0", KvPoolHandle("nixl", b"agent", make_layout(num_pages=4, **SPEC)))
-    with pytest.raises(HandoffError, match=r"no mapped pool for prefill prefill-0 \(a decode on cpu cannot pull"):
+    puller = KvPuller(local, SCRATCH, [].extend)
+    with pytest.raises(HandoffError, match="a decode on cpu cannot pull a 'rdma' pool"):
+        puller.map_pool("prefill-0", [KvPoolHandle("rdma", b"agent", make_layout(num_pages=4, **SPEC))])
+    with pytest.raises(HandoffError, match=r"no mapped pool for prefill prefill-0 \(rdma: a decode on cpu cannot pull"):
         puller.pull(task([0]), [0])
+
+
+def test_a_decode_takes_the_first_handle_it_may_use_that_opens(local):
+    """auto: another host's shared memory does not open, so NIXL's handle is next (here a fake's)."""
+    export = fake_export(Script())
+    elsewhere = KvPoolHandle("shm", b"pdserve-kv-prefill-0-0badcafe-1", export.handle.layout)
+    puller = KvPuller(local, SCRATCH, [].extend)
+    puller.map_pool("prefill-0", [elsewhere, export.handle])
+    assert puller.sources["prefill-0"].handle == export.handle
+    only_shm = KvPuller(local, SCRATCH, [].extend, transfer="shm")
+    with pytest.raises(HandoffError, match="shm: .*No such file"):
+        only_shm.map_pool("prefill-0", [elsewhere, export.handle])
+    with pytest.raises(HandoffError, match="kv.transfer is nixl, the pool is offered by shm, fake"):
+        KvPuller(local, SCRATCH, [].extend, transfer="nixl").map_pool("prefill-0", [elsewhere, export.handle])
 
 
 def test_a_pool_of_another_layout_is_refused(local):
     other = fake_export(Script(), **{**SPEC, "head_dim": 16})
     with pytest.raises(HandoffError, match="its layout is"):
-        KvPuller(local, SCRATCH).map_pool("prefill-0", other.handle)
+        KvPuller(local, SCRATCH, [].extend).map_pool("prefill-0", [other.handle])
 
 
 def test_page_ids_outside_the_pool_start_nothing(local):
@@ -173,7 +206,7 @@ def decode_export(decode, script: Script) -> FakeExport:
     model = decode.model
     export = fake_export(script, num_layers=model.num_layers, page_size=PAGE_SIZE, num_kv_heads=model.num_kv_heads,
                          head_dim=model.head_dim, dtype=torch.float32)
-    decode._on_pool_available(PoolAvailable("prefill-0", export.handle))
+    decode._on_pool_available(PoolAvailable("prefill-0", [export.handle]))
     return export
 
 

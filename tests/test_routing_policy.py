@@ -15,7 +15,7 @@ FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 
 
 def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> Worker:
-    return Worker(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, None, FINGERPRINT)
+    return Worker(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
 
 
 def _request(tokens: list[int], max_tokens: int = 8) -> InflightRequest:

@@ -13,7 +13,8 @@ from shared import wire
 
 LAYOUT = m.KvLayout(num_layers=30, num_pages=1024, page_size=16, num_kv_heads=3, head_dim=64,
                     dtype="bfloat16", shard_stride_bytes=3_145_728)
-HANDLE = m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-1234", layout=LAYOUT)
+HANDLES = [m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-5e1f-1234", layout=LAYOUT),
+           m.KvPoolHandle(backend="nixl", locator=b"\x95\xc4\x03md!\x00\x01\xa4DRAM\x00", layout=LAYOUT)]
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 63) - 1)
 STOP = m.StopParams(max_tokens=128, ignore_eos=True)
 FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",
@@ -21,8 +22,8 @@ FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",
 
 # One instance per message type; where a type has an optional field, both None and set appear.
 SAMPLES = [
-    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLE, FINGERPRINT),
-    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, None, FINGERPRINT),
+    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLES, FINGERPRINT),
+    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, [], FINGERPRINT),
     m.Registered(router_epoch="9f8e7d"),
     m.Refused("protocol version 1, but this router speaks 2"),
     m.Heartbeat("decode-0", "9f8e7d", free_pages=2000, running=3, waiting=0, stalled_s=0.25,
@@ -33,7 +34,7 @@ SAMPLES = [
     m.Draining("decode-0"),
     m.Drained(),
     m.KvCacheEvents("prefill-0", stored=["9a0f", "77c1"], evicted=["0b3e"], cleared=False),
-    m.PoolAvailable("prefill-0", HANDLE),
+    m.PoolAvailable("prefill-0", HANDLES),
     m.PoolGone("prefill-0"),
     m.PoolUnreachable("prefill-0", "no backend here pulls a 'nixl' pool"),
     m.PrefillTask("req-1", [1, 2, 3, 49151], SAMPLING, STOP, sent_at=1795940000.25),
@@ -66,11 +67,11 @@ def test_round_trip_restores_enum_and_nested_types():
     def sample(kind, where=lambda s: True):
         return next(s for s in SAMPLES if isinstance(s, kind) and where(s))
 
-    register = wire.decode(wire.encode(sample(m.Register, lambda s: s.pool is not None)))
+    register = wire.decode(wire.encode(sample(m.Register, lambda s: s.pool_handles)))
     assert type(register.role) is m.Role
-    assert type(register.pool) is m.KvPoolHandle and type(register.pool.layout) is m.KvLayout
+    assert [type(h) for h in register.pool_handles] == [m.KvPoolHandle, m.KvPoolHandle]
+    assert all(type(h.layout) is m.KvLayout and type(h.locator) is bytes for h in register.pool_handles)
     assert type(register.fingerprint) is m.ModelFingerprint
-    assert type(register.pool.locator) is bytes
     batch = wire.decode(wire.encode(sample(m.TokenBatch, lambda s: len(s.tokens) == 2)))
     assert [type(t) for t in batch.tokens] == [m.TokenOut, m.TokenOut]
     assert type(batch.tokens[1].finish_reason) is m.FinishReason

@@ -1,14 +1,13 @@
 """KV transfer from a prefill's pool into a decode's (base.py: the interface and who calls what).
 
-The prefill exports its pool with export_pool, by its device; a decode pulls each pool through
-the backend that backend_for picks from the pool's handle and the decode's own device.
+The prefill exports its pool once with export_pool, by the kinds kv.transfer and its device call
+for (choice.py); a decode pulls each pool through the backend that backend_for picks from the
+first usable handle and the decode's own device. The kinds: shm (host memory of one host),
+cuda_ipc (GPU memory of one host), nixl (either, between hosts), fake (tests).
 
-A new kind (a NIXL read, say) is a module with an export (handle.backend names the kind; the
-locator carries what a peer needs, e.g. the agent's metadata), a Backend (per decode: register the
-local pool once), its Source (per pool: load the remote's metadata, prepare descriptors) and its
-Transfer (per request: post the read in start(), check its state in poll(), abort in cancel());
-then an entry in BACKENDS, and a way for the prefill to choose it in export_pool. The decode's
-puller already times out any transfer that is not stream-ordered (kv.transfer_timeout_s).
+A new kind is a module with an export (handle.backend names the kind; the locator carries what a
+peer needs), a Backend (per decode: register the local pool once), its Source (per pool) and its
+Transfer (per request: start, poll, cancel, settled); then an entry in BACKENDS and in choice.py.
 """
 
 from __future__ import annotations
@@ -17,20 +16,58 @@ import torch
 
 from shared.kv_transfer import local_exports
 from shared.kv_transfer.base import Backend, Export, Source, Transfer, TransferError, TransferState
+from shared.kv_transfer.choice import offered_kinds, usable_handles
 from shared.kv_transfer.cuda_ipc import CudaIpcBackend, CudaIpcExport
 from shared.kv_transfer.fake import FakeBackend
+from shared.kv_transfer.nixl import NixlBackend, NixlExport
 from shared.kv_transfer.shm import SharedMemoryExport, ShmBackend
 from shared.messages import KvLayout, KvPoolHandle
 
-__all__ = ["Backend", "Export", "Source", "Transfer", "TransferError", "TransferState", "backend_for", "export_pool"]
+__all__ = ["Backend", "Export", "ExportedPool", "Source", "Transfer", "TransferError", "TransferState",
+           "backend_for", "export_pool", "usable_handles"]
 
-BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend, "cuda_ipc": CudaIpcBackend, "fake": FakeBackend}
+BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend, "cuda_ipc": CudaIpcBackend, "nixl": NixlBackend,
+                                      "fake": FakeBackend}
 
 
-def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str) -> Export:
-    """The prefill's pool, exported once: device memory by CUDA IPC on a GPU, shared memory on the CPU."""
+class ExportedPool:
+    """A prefill's one pool, exported by one or more kinds: .pool, which the prefill writes, and
+    .handles, best first, sent once in Register."""
+
+    def __init__(self, exports: list[Export]):
+        self.exports = exports
+        self.pool = exports[0].pool if exports else None
+        self.handles = [export.handle for export in exports]
+
+    def read_notices(self) -> list[str]:
+        """Request ids whose pages a decode has read by NIXL since the last call."""
+        return [notice for export in self.exports if isinstance(export, NixlExport) for notice in export.read_notices()]
+
+    def close(self) -> None:
+        for export in reversed(self.exports):  # NIXL lets go of a pool that another export owns first
+            export.close()
+
+
+def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str, transfer: str = "auto",
+                cross_host: bool = False) -> ExportedPool:
+    """The prefill's pool, exported once by the kinds kv.transfer calls for (choice.py); cross_host:
+    decodes may be on other hosts (the control plane is tcp://)."""
     device = torch.device(device)
-    exported = CudaIpcExport(layout, device) if device.type == "cuda" else SharedMemoryExport(layout, name_hint)
+    exports: list[Export] = []
+    try:
+        for kind in offered_kinds(transfer, device.type, cross_host):
+            exports.append(_export(kind, layout, name_hint, device, exports[0].pool if exports else None))
+    except BaseException:
+        ExportedPool(exports).close()
+        raise
+    return ExportedPool(exports)
+
+
+def _export(kind: str, layout: KvLayout, name_hint: str, device: torch.device, pool) -> Export:
+    """pool: the pool another kind already exports, which NIXL registers too."""
+    if kind == "nixl":
+        return NixlExport(layout, name_hint, device, pool)
+    exported = CudaIpcExport(layout, device) if kind == "cuda_ipc" else SharedMemoryExport(layout, name_hint)
     local_exports.add(exported)
     return exported
 
@@ -39,6 +76,6 @@ def backend_for(handle: KvPoolHandle, device: torch.device | str) -> type[Backen
     """The backend a decode on `device` pulls this pool with."""
     device = torch.device(device)
     backend = BACKENDS.get(handle.backend)
-    if backend is None or backend.device_type != device.type:
+    if backend is None or device.type not in backend.device_types:
         raise TransferError(f"a decode on {device} cannot pull a {handle.backend!r} pool")
     return backend

@@ -14,6 +14,8 @@ Who calls what, in which process:
                                               that is not stream-ordered and outlives the timeout
                                               is cancel()ed
                                             at PoolGone, or a new incarnation: source.close()
+                                            pages of a cancelled or failed transfer: reused once
+                                              transfer.settled()
 
 A transfer's states only move forward:
 
@@ -23,6 +25,8 @@ A transfer's states only move forward:
 
 PREPARING: accepted, being set up (page ids staged, a remote transfer being posted).
 TRANSFERRING: bytes are moving, or queued to move on the decode's device.
+A FAILED transfer's pages go back to the decode's pool once it has settled(): a remote read that
+was cancelled may still be writing into them.
 
 A stream-ordered transfer (a copy the decode launched itself on its own stream) lets the request
 join the next decode step at once, since the device runs the step after the copy; it cannot fail
@@ -83,8 +87,13 @@ class Transfer(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self, reason: str) -> None:
-        """Ends an unfinished transfer as FAILED. Once it returns nothing writes into the
-        request's pages ahead of their next use by this decode, so they may be freed."""
+        """Ends an unfinished transfer as FAILED; its pages may be reused once settled()."""
+
+    def settled(self) -> bool:
+        """Whether nothing writes into the destination pages any more, once finished. At once for
+        a copy the decode orders itself (what it queues later runs after the copy); a remote read
+        that cannot be called back (NIXL) settles only when its bytes have stopped coming."""
+        return True
 
     def advance(self, state: TransferState) -> None:
         if state < self.state or self.state.finished:
@@ -114,13 +123,14 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Lets go of the pool; returns once no transfer reads it any more."""
+        """Lets go of the pool: a copy from a mapping returns once none reads it any more; a
+        remote read keeps what it needs (the peer's agent) until it settles."""
 
 
 class Backend(abc.ABC):
     """A decode's side of one kind of transfer: what every pool of that kind shares."""
 
-    device_type: str  # the type of device ("cpu", "cuda") a decode must be on to use it
+    device_types: tuple[str, ...]  # the types of device ("cpu", "cuda") a decode may be on to use it
 
     def __init__(self, local: PagedKvPool, scratch_page: int):
         """local: the decode's pool; scratch_page: a page of it the backend may overwrite (to

@@ -85,7 +85,7 @@ def require_peer_access(device: int, peer: int) -> None:
 
 
 class CudaIpcBackend(LocalCopyBackend):
-    device_type = "cuda"
+    device_types = ("cuda",)
 
     @staticmethod
     def map_pool(handle: KvPoolHandle, device: torch.device) -> Mapping:

@@ -27,6 +27,7 @@ class Script:
     polls_per_state: int = 1
     fail_at: TransferState | None = None   # PREPARING or TRANSFERRING: fails instead of moving on
     stall_at: TransferState | None = None  # never moves on from this state (until cancelled)
+    lingers_polls: int = 0  # after a cancel, settled() says False this many times (as a NIXL read)
 
 
 _exports: dict[bytes, FakeExport] = {}
@@ -49,6 +50,7 @@ class FakeTransfer(Transfer):
         super().__init__(request_id, source.prefill_worker_id)
         self.source, self.src, self.dst = source, src, dst
         self.polls = 0  # in the current state
+        self.lingering = 0  # settled() calls still to answer False
 
     def poll(self) -> TransferState:
         script = self.source.script
@@ -68,7 +70,14 @@ class FakeTransfer(Transfer):
         return self.state
 
     def cancel(self, reason: str) -> None:
-        self.fail(reason)  # nothing moves between polls, so nothing more is written
+        self.fail(reason)  # nothing moves between polls, so nothing more is written...
+        self.lingering = self.source.script.lingers_polls  # ...unless the script plays a NIXL read
+
+    def settled(self) -> bool:
+        if self.lingering:
+            self.lingering -= 1
+            return False
+        return True
 
 
 class FakeSource(Source):
@@ -97,7 +106,7 @@ class FakeSource(Source):
 
 
 class FakeBackend(Backend):
-    device_type = "cpu"
+    device_types = ("cpu",)
 
     def open(self, prefill_worker_id: str, handle: KvPoolHandle) -> FakeSource:
         export = _exports.get(handle.locator)

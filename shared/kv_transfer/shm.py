@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
@@ -27,7 +28,9 @@ class SharedMemoryExport:
     """A pool in a POSIX shared-memory segment that peers may map; close() releases it for good."""
 
     def __init__(self, layout: KvLayout, name_hint: str):
-        name = f"pdserve-kv-{name_hint}-{os.getpid()}"
+        # The random token: a decode on another host never finds a segment of this name, so one
+        # that opens is this one (shared/kv_transfer/choice.py). The pid last, for leak checks.
+        name = f"pdserve-kv-{name_hint}-{secrets.token_hex(4)}-{os.getpid()}"
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=layout_bytes(layout))
         self.pool = PagedKvPool(layout, torch.frombuffer(self._shm.buf, dtype=torch.uint8))
         self.handle = KvPoolHandle(BACKEND, self._shm.name.encode(), layout)
@@ -69,7 +72,7 @@ def _release_shm(owner: SharedMemoryExport | SharedMemoryMapping, unlink: bool) 
 
 
 class ShmBackend(LocalCopyBackend):
-    device_type = "cpu"
+    device_types = ("cpu",)
 
     @staticmethod
     def map_pool(handle: KvPoolHandle, device: torch.device) -> Mapping:
