@@ -50,6 +50,9 @@ class Service:
     # stdin and stdout as text pipes, for a child that speaks a line protocol on them (the
     # benchmarks' measuring children); stderr still goes to log_path.
     pipes: bool = False
+    # A command the child runs under, which must exec it (same pid), e.g. `ip netns exec NS` for a
+    # test's second host.
+    wrapper: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class Supervisor:
         pipe = subprocess.PIPE if service.pipes else None
         with open(service.log_path, "ab") if service.log_path else contextlib.nullcontext() as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", service.module, *service.args], cwd=REPO, env=service.env,
+                [*service.wrapper, sys.executable, "-m", service.module, *service.args], cwd=REPO, env=service.env,
                 stdin=pipe, stdout=pipe or log_file, stderr=log_file if service.pipes else subprocess.STDOUT,
                 text=service.pipes, bufsize=1 if service.pipes else -1, start_new_session=True)
         self._services[service.name] = service
