@@ -180,3 +180,15 @@ def test_colocated_refuses_a_spinning_decode():
         config.validate_service("colocated")
     with pytest.raises(ConfigError, match="must be >= 0"):
         load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "-1"})
+
+
+def test_kv_transfer_is_checked_against_the_device_and_the_service():
+    assert load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}).kv.transfer == "nixl"
+    with pytest.raises(ConfigError, match="PDSERVE_KV_TRANSFER.*must be auto, shm, cuda_ipc or nixl"):
+        load_config(None, {"PDSERVE_KV_TRANSFER": "rdma"})
+    with pytest.raises(ConfigError, match="kv.transfer shm moves host memory, but the pools are on a GPU"):
+        load_config(None, {"PDSERVE_KV_TRANSFER": "shm", "PDSERVE_MODEL_DEVICE": "cuda:1"})
+    with pytest.raises(ConfigError, match="kv.transfer cuda_ipc moves GPU memory, but the pools are on cpu"):
+        load_config(None, {"PDSERVE_KV_TRANSFER": "cuda_ipc"})
+    with pytest.raises(ConfigError, match="kv.transfer nixl does not apply to services.colocated"):
+        load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}).validate_service("colocated")

@@ -253,3 +253,12 @@ def test_an_abort_during_the_transfer_ends_it_and_frees_the_pages(decode):
     decode.step()
     assert decode.allocator.num_free == free and decode.load().holding == []
     assert decode.link.sent == [] and not decode.puller.copying
+
+
+def test_auto_offers_nixl_beside_the_hosts_kind_only_where_decodes_may_be_elsewhere():
+    from shared.kv_transfer.choice import offered_kinds
+
+    assert offered_kinds("auto", "cpu", cross_host=False) == ["shm"]
+    assert offered_kinds("auto", "cuda", cross_host=True) == ["cuda_ipc", "nixl"]
+    assert offered_kinds("nixl", "cpu", cross_host=False) == ["nixl"]
+    assert offered_kinds("shm", "cpu", cross_host=True) == ["shm"]
