@@ -27,7 +27,7 @@ MAX_STR_BYTES = 1 << 20
 KIND_OF: dict[type, MsgKind] = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
 # Page ids travel packed, not as a msgpack list: a list costs a Python step per id at each end
 # it crosses (the prefill, the router in and out, the decode), 512 ids for an 8K-token prompt.
-PAGE_ID_TYPECODE = "i"  # C int, in the host's byte order: the pool's peers share a host
+PAGE_ID_TYPECODE = "i"  # C int in the host's byte order: every host pdserve runs on is little-endian
 PAGE_ID_BYTES = array.array(PAGE_ID_TYPECODE).itemsize
 
 
