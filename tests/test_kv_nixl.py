@@ -48,7 +48,7 @@ _EXPORTER = textwrap.dedent("""
     from shared.kv_transfer import export_pool
     from shared.messages import PoolAvailable
     spec = dict(num_layers=3, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    exported = export_pool(make_layout(num_pages=12, **spec), "nixl-test", "cpu", "nixl")
+    exported = export_pool(make_layout(num_pages=12, **spec), "nixl-test", sys.argv[2], "nixl")
     torch.manual_seed(int(sys.argv[1]))
     exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape))
     print("handle", wire.encode(PoolAvailable("prefill-0", exported.handles)).hex())
@@ -63,15 +63,19 @@ def expected_pool(seed: int) -> torch.Tensor:
     return torch.randn((2 * SPEC["num_layers"], PREFILL_PAGES, PAGE_SIZE, SPEC["num_kv_heads"], SPEC["head_dim"]))
 
 
-@pytest.fixture
-def exporter():
-    process = subprocess.Popen([sys.executable, "-c", _EXPORTER, "7"], cwd=REPO, stdin=subprocess.PIPE,
+def start_exporter(device: str = "cpu") -> tuple[subprocess.Popen, list[KvPoolHandle]]:
+    process = subprocess.Popen([sys.executable, "-c", _EXPORTER, "7", device], cwd=REPO, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, env={**os.environ, **UCX_LOOPBACK})
     line = ""
     while not line.startswith("handle "):  # NIXL's own log lines come first
         line = process.stdout.readline().decode()
         assert line, "the exporter died"
-    handles = wire.decode(bytes.fromhex(line.split()[1])).pool_handles
+    return process, wire.decode(bytes.fromhex(line.split()[1])).pool_handles
+
+
+@pytest.fixture
+def exporter():
+    process, handles = start_exporter()
     yield process, handles
     process.send_signal(signal.SIGCONT)
     process.kill()
@@ -155,6 +159,26 @@ def test_a_read_from_a_killed_prefill_fails_and_settles_at_once(exporter, decode
     assert failed.error.startswith("NIXL read failed")
     puller.drop("r1", [0, 1])
     assert freed == [0, 1] and puller.settling == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_read_between_two_gpu_pools_moves_exactly_the_requests_pages(monkeypatch):
+    """The same read with both pools in device memory (UCX's CUDA transports, or its TCP lane)."""
+    for name, value in UCX_LOOPBACK.items():
+        monkeypatch.setenv(name, value)
+    process, handles = start_exporter("cuda:0")
+    try:
+        local, _buffer = allocate_local_pool(make_layout(num_pages=DECODE_PAGES, **SPEC), "cuda:0")
+        puller = KvPuller(local, DECODE_PAGES - 1, [].extend, transfer="nixl")
+        puller.map_pool("prefill-0", handles)
+        puller.pull(task([11, 0, 5]), [2, 7, 3])
+        wait_for(puller, puller.landed)
+        assert torch.equal(local.kv[:, [2, 7, 3]].cpu(), expected_pool(7)[:, [11, 0, 5]])
+        puller.close()
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_malformed_nixl_handle_is_refused(decode_side):
