@@ -151,6 +151,13 @@ class KvConfig:
     page_size: int = _positive(default=16)  # tokens per page
     prefill_pages: int = _positive(default=1024)
     decode_pages: int = _positive(default=2048)
+    # What the pages hold (shared/kv_quant.py): "bfloat16" keeps K and V as computed, unquantized, in
+    # the model's dtype (model.dtype, so float32 on the CPU); "float8_e4m3" and "int8" keep one byte
+    # per value and a float32 scale per token and KV head: about half the bytes of bf16 pages, so
+    # twice the tokens per pool and half the bytes per handoff. Prefills and decodes pair only with
+    # the same kv.dtype: it is part of their fingerprint.
+    dtype: str = field(default="bfloat16", metadata=_check(
+        lambda v: v in ("bfloat16", "float8_e4m3", "int8"), "must be bfloat16, float8_e4m3 or int8"))
     # A decode fails a request whose KV transfer has not finished within this long (one it does
     # not order on its own stream, as a NIXL read); below router.handoff_timeout_s, so the decode's
     # reason reaches the client rather than the router's stage timeout.

@@ -5,13 +5,19 @@ Layout (KvLayout): shards K0 V0 K1 V1 ... of [pages, page_size, kv_heads, head_d
 buffer does. Because the stride is uniform, the whole pool is also one strided tensor
 `kv[2 * layers, pages, page_size, kv_heads, head_dim]`: a handoff of any set of pages is one
 gather over all layers at once, not one copy per page per layer.
+
+Quantized pages (int8, float8_e4m3fn: shared/kv_quant.py) have their float32 scales, one per token
+and KV head, in scale shards after the page shards, in the same order (K0 V0 K1 V1 ...), each
+[pages, page_size, kv_heads] and 256-byte aligned likewise: `scales[2 * layers, pages, page_size,
+kv_heads]`. A page id names a page's values and its scales alike, so whatever moves or caches
+pages by id (the handoff, the prefix cache) carries both.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shared import kv_copy_triton
+from shared import kv_copy_triton, kv_quant
 from shared.messages import KvLayout
 
 SHARD_ALIGN_BYTES = 256
@@ -24,22 +30,44 @@ class PoolExhausted(RuntimeError):
 def make_layout(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> KvLayout:
     item = torch.empty((), dtype=dtype).element_size()
-    shard_bytes = num_pages * page_size * num_kv_heads * head_dim * item
-    stride = -(-shard_bytes // SHARD_ALIGN_BYTES) * SHARD_ALIGN_BYTES
+    stride = _aligned(num_pages * page_size * num_kv_heads * head_dim * item)
     return KvLayout(num_layers, num_pages, page_size, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), stride)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SHARD_ALIGN_BYTES) * SHARD_ALIGN_BYTES
+
+
+def _scale_page_bytes(layout: KvLayout) -> int:
+    """0 where the pages are not quantized: such a pool has no scale shards."""
+    if not kv_quant.is_quantized(torch_dtype(layout)):
+        return 0
+    return layout.page_size * layout.num_kv_heads * kv_quant.SCALE_DTYPE.itemsize
+
+
+def scale_stride_bytes(layout: KvLayout) -> int:
+    """Bytes from one scale shard to the next; 0 without scales. Derived from the layout's other
+    fields, so two pools whose pages match match in their scales too."""
+    return _aligned(layout.num_pages * _scale_page_bytes(layout))
+
+
 def layout_bytes(layout: KvLayout) -> int:
-    return 2 * layout.num_layers * layout.shard_stride_bytes
+    return 2 * layout.num_layers * (layout.shard_stride_bytes + scale_stride_bytes(layout))
 
 
 def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
-    """Every shard of the pool as (byte offset of its page 0 in the buffer, bytes per page). A
-    transfer that moves raw bytes rather than typed pages (NIXL) moves page p of a request as one
-    region per shard: offset + p * bytes per page."""
+    """Every shard of the pool, scale shards included, as (byte offset of its page 0 in the buffer,
+    bytes per page). A transfer that moves raw bytes rather than typed pages (NIXL) moves page p of
+    a request as one region per shard: offset + p * bytes per page."""
     item = torch.empty((), dtype=torch_dtype(layout)).element_size()
     page_bytes = layout.page_size * layout.num_kv_heads * layout.head_dim * item
-    return [(shard * layout.shard_stride_bytes, page_bytes) for shard in range(2 * layout.num_layers)]
+    shards = 2 * layout.num_layers
+    regions = [(shard * layout.shard_stride_bytes, page_bytes) for shard in range(shards)]
+    scale_bytes, scale_stride = _scale_page_bytes(layout), scale_stride_bytes(layout)
+    if scale_bytes:
+        scales_at = shards * layout.shard_stride_bytes
+        regions += [(scales_at + shard * scale_stride, scale_bytes) for shard in range(shards)]
+    return regions
 
 
 def torch_dtype(layout: KvLayout) -> torch.dtype:
@@ -64,6 +92,21 @@ class PagedKvPool:
             (layout.shard_stride_bytes // item, page, layout.num_kv_heads * layout.head_dim, layout.head_dim, 1),
         )
         self.kv_bits = kv_copy_triton.as_integers(self.kv)  # what the page copy moves
+        self.scales: torch.Tensor | None = None
+        self.scale_bits: torch.Tensor | None = None
+        if kv_quant.is_quantized(dtype):
+            self.scales = self._scale_view(layout, storage)
+            self.scale_bits = kv_copy_triton.as_integers(self.scales)
+
+    @staticmethod
+    def _scale_view(layout: KvLayout, storage: torch.Tensor) -> torch.Tensor:
+        scales_at = 2 * layout.num_layers * layout.shard_stride_bytes
+        typed = storage[scales_at: layout_bytes(layout)].view(kv_quant.SCALE_DTYPE)
+        row = layout.page_size * layout.num_kv_heads
+        return typed.as_strided(
+            (2 * layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads),
+            (scale_stride_bytes(layout) // kv_quant.SCALE_DTYPE.itemsize, row, layout.num_kv_heads, 1),
+        )
 
     def key(self, layer: int) -> torch.Tensor:
         return self.kv[2 * layer]
@@ -71,17 +114,57 @@ class PagedKvPool:
     def value(self, layer: int) -> torch.Tensor:
         return self.kv[2 * layer + 1]
 
+    def key_scale(self, layer: int) -> torch.Tensor | None:
+        """[pages, page_size, kv_heads] float32, or None where the pages are not quantized."""
+        return None if self.scales is None else self.scales[2 * layer]
+
+    def value_scale(self, layer: int) -> torch.Tensor | None:
+        return None if self.scales is None else self.scales[2 * layer + 1]
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens' K and V [N, kv_heads, head_dim] into slot offsets[n] of page pages[n], quantized
+        where the pool is (the GPU's decode and prefill quantize in their fused RoPE write instead)."""
+        if self.scales is None:
+            self.key(layer)[pages, offsets] = k
+            self.value(layer)[pages, offsets] = v
+            return
+        for shard, x in ((2 * layer, k), (2 * layer + 1, v)):
+            values, scales = kv_quant.quantize(x, self.kv.dtype)
+            self.kv[shard][pages, offsets] = values
+            self.scales[shard][pages, offsets] = scales
+
+    def context(self, layer: int, pages: torch.Tensor, start: int, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [start + T, kv_heads, head_dim] of a sequence whose tokens from `start` on are a
+        chunk's k, v [T, ...], just written to its pages (listed in order, at least up to the chunk's
+        end): the earlier tokens' read from the pages, dequantized where the pool is quantized; the
+        chunk's own as computed, which unquantized pages hold exactly, so one gather reads them all."""
+        end = start + len(k)
+        if self.scales is None:
+            return self.key(layer)[pages].flatten(0, 1)[:end], self.value(layer)[pages].flatten(0, 1)[:end]
+        joined = []
+        for shard, own in ((2 * layer, k), (2 * layer + 1, v)):
+            values = self.kv[shard][pages].flatten(0, 1)[:start]
+            scales = self.scales[shard][pages].flatten(0, 1)[:start]
+            joined.append(torch.cat((kv_quant.dequantize(values, scales, own.dtype), own)))
+        return joined[0], joined[1]
+
     def shards(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(0))
 
     def copy_pages_from(self, src: "PagedKvPool", src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """All layers' K and V for the listed pages: one Triton launch on a GPU; on the CPU a
-        gather and scatter of whole contiguous pages per shard, rather than one advanced index
-        over the strided [shards, pages, ...] view, which copies element by element."""
-        if self.kv.is_cuda:
-            kv_copy_triton.copy_pages(src.kv_bits, self.kv_bits, src_pages, dst_pages)
-        else:
-            for to, source in zip(self.kv.flatten(2), src.kv.flatten(2)):
+        """All layers' K and V for the listed pages, with their scales where quantized: one Triton
+        launch for the values and one for the scales on a GPU; on the CPU a gather and scatter of
+        whole contiguous pages per shard, rather than one advanced index over the strided
+        [shards, pages, ...] view, which copies element by element (of bits: PyTorch's CPU
+        index_copy_ has no float8)."""
+        for dst_bits, src_bits in ((self.kv_bits, src.kv_bits), (self.scale_bits, src.scale_bits)):
+            if dst_bits is None:
+                continue
+            if self.kv.is_cuda:
+                kv_copy_triton.copy_pages(src_bits, dst_bits, src_pages, dst_pages)
+                continue
+            for to, source in zip(dst_bits.flatten(2), src_bits.flatten(2)):
                 to.index_copy_(0, dst_pages, source.index_select(0, src_pages))
 
 

@@ -97,7 +97,8 @@ class StopParams:
 class KvLayout:
     """Shape of a paged pool: per layer a K and a V shard of [pages, page_size, kv_heads, head_dim],
     interleaved K0 V0 K1 V1 ..., each shard starting shard_stride_bytes after the last (a
-    multiple of 256, so every shard is 256-byte aligned)."""
+    multiple of 256, so every shard is 256-byte aligned). A quantized dtype (int8, float8_e4m3fn)
+    implies scale shards after them, whose place follows from these fields (shared/kv_pool.py)."""
     num_layers: int
     num_pages: int
     page_size: int
@@ -122,8 +123,8 @@ class ModelFingerprint:
     config_sha: str     # the model's config, all of it
     weights_sha: str    # the weight files: names, sizes and their first and last MiB
     tokenizer_sha: str  # the tokenizer's files (the router tokenizes for every worker)
-    dtype: str          # the activations' and the KV cache's dtype
-    kv_layout: str      # layers, KV heads, head size, page size
+    dtype: str          # the activations' dtype (an unquantized KV cache's too)
+    kv_layout: str      # layers, KV heads, head size, page size, the KV cache's format (kv.dtype)
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,7 @@ def _fingerprint(checkpoint) -> ModelFingerprint:
     """What the stack's real workers would register with (float32 on the CPU)."""
     hf_config = load_hf_config(checkpoint)
     return model_fingerprint(checkpoint, hf_config, "float32", hf_config.num_hidden_layers,
-                             hf_config.num_key_value_heads, hf_config.head_dim, 16)
+                             hf_config.num_key_value_heads, hf_config.head_dim, 16, "bfloat16")
 
 
 @pytest.fixture()

@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
     # Must be set before triton is imported: @triton.jit picks the interpreter at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
+from shared import kv_quant
 from shared.model import fused_triton
 from shared.model.fused_triton import (
     add_rms_norm,
@@ -57,6 +59,40 @@ def ref_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, pages, offsets, nu
     k_cache[pages.long(), offsets.long()] = k
     v_cache[pages.long(), offsets.long()] = v.view(-1, num_kv_heads, head_dim)
     return q
+
+
+def ref_qkv_write_quantized(qkv, positions, cos, sin, k_cache, v_cache, k_scale, v_scale, pages, offsets,
+                            num_heads, num_kv_heads, head_dim):
+    """The same, quantized by shared/kv_quant.py (its rounded values cast as the kernel casts them)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = ref_rope(q.view(-1, num_heads, head_dim), positions, cos, sin)
+    k = ref_rope(k.view(-1, num_kv_heads, head_dim), positions, cos, sin)
+    slots = pages.long(), offsets.long()
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v.view(-1, num_kv_heads, head_dim))):
+        y, row_scales = kv_quant.scaled_rows(x, cache.dtype)
+        cache[slots] = cast_like_a_triton_store(y, cache.dtype)
+        scales[slots] = row_scales
+    return q, k
+
+
+@triton.jit
+def _cast_kernel(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n).to(dst.dtype.element_ty), mask=i < n)
+
+
+def cast_like_a_triton_store(y, dtype):
+    """y cast to dtype as the kernel's store casts it. Compiled, that is PyTorch's cast (to nearest,
+    ties to even). Triton 3.9's interpreter loses the carry where an fp8 mantissa rounds up into
+    the next power of two (125.6 becomes 64, not 128), so interpreted, the reference is cast by
+    the interpreter too, and the test checks everything else the kernel does."""
+    if COMPILED_CUDA or dtype == torch.int8:  # int8: y is integral, any cast is exact
+        return y.to(dtype)
+    flat = y.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=dtype, device=y.device)
+    _cast_kernel[(1,)](flat, out, flat.numel(), BLOCK=triton.next_power_of_2(flat.numel()))
+    return out.view(y.shape)
 
 
 def ref_silu_and_mul(gate_up):
@@ -158,6 +194,64 @@ def test_rope_write_kv(rows, head_dim, num_heads, num_kv_heads):
     check_rope(rows, num_heads, num_kv_heads, head_dim, torch.float32, DEVICE, FP32_TOL)
 
 
+KV_FORMATS = [torch.int8, torch.float8_e4m3fn]
+
+
+def check_rope_quantized(rows, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, device, exact):
+    """Quantized caches: the pages, scales, q and the k_out copy of the rotated k. exact: the
+    interpreter's fp32 arithmetic is PyTorch's; compiled, fp32 may differ in its last bit, so a
+    value may land one step of its row's grid away (bf16 q and k stay bit-exact, as unquantized)."""
+    case = rope_case(rows, num_heads, num_kv_heads, head_dim, dtype, device)
+    num_pages = case["pool"].shape[1]
+    caches = torch.zeros((2, num_pages, PAGE_SIZE, num_kv_heads, head_dim), dtype=kv_dtype, device=device)
+    scales = torch.full((2, num_pages, PAGE_SIZE, num_kv_heads), float("nan"), device=device)
+    ref_caches, ref_scales = caches.clone(), scales.clone()
+    args = (case["cos"], case["sin"], case["positions"])
+    slots = (case["pages"], case["offsets"], num_heads, num_kv_heads, head_dim)
+    k_out = torch.empty((rows, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+    q = rope_write_kv(case["qkv"], *args, caches[0], caches[1], *slots, scales[0], scales[1], k_out)
+    ref_q, ref_k = ref_qkv_write_quantized(case["qkv"], case["positions"], case["cos"], case["sin"],
+                                           ref_caches[0], ref_caches[1], ref_scales[0], ref_scales[1],
+                                           case["pages"], case["offsets"], num_heads, num_kv_heads, head_dim)
+    tol = FP32_TOL if dtype == torch.float32 and not exact else {"atol": 0, "rtol": 0}
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k_out, ref_k, **tol)
+    written = ~ref_scales.isnan()
+    assert torch.equal(scales.isnan(), ~written), "rope_write_kv wrote scales outside the addressed slots"
+    assert torch.all(caches[~written].float() == 0), "rope_write_kv wrote values outside the addressed slots"
+    if exact:
+        assert torch.equal(scales[written], ref_scales[written])
+        assert torch.equal(caches.view(torch.uint8), ref_caches.view(torch.uint8))
+        return
+    torch.testing.assert_close(scales[written], ref_scales[written], rtol=1e-6, atol=0)
+    got = kv_quant.dequantize(caches[written], scales[written], torch.float32)
+    expected = kv_quant.dequantize(ref_caches[written], ref_scales[written], torch.float32)
+    step = ref_scales[written][..., None] * (1.0 if kv_dtype == torch.int8 else 32.0)  # e4m3: 448 / 16 at the top
+    assert torch.all((got - expected).abs() <= step * 1.001)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_FORMATS, ids=str)
+@pytest.mark.parametrize("rows,num_heads,num_kv_heads,head_dim", [(1, 2, 2, 64), (5, 8, 2, 64), (3, 8, 2, 128)])
+def test_rope_write_kv_quantized(kv_dtype, rows, num_heads, num_kv_heads, head_dim):
+    check_rope_quantized(rows, num_heads, num_kv_heads, head_dim, torch.float32, kv_dtype, DEVICE,
+                         exact=not COMPILED_CUDA)
+
+
+def test_rope_write_kv_refuses_scales_that_do_not_fit():
+    case = rope_case(3, 4, 2, 64, torch.float32, DEVICE)
+    caches = torch.zeros((2, case["pool"].shape[1], PAGE_SIZE, 2, 64), dtype=torch.int8, device=DEVICE)
+    scales = torch.zeros((2, case["pool"].shape[1], PAGE_SIZE, 2), device=DEVICE)
+    args = (case["qkv"], case["cos"], case["sin"], case["positions"])
+    slots = (case["pages"], case["offsets"], 4, 2, 64)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        rope_write_kv(*args, caches[0], caches[1], *slots)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        rope_write_kv(*args, caches[0], caches[1], *slots, scales[0], scales[1, :, :, :1])
+    with pytest.raises(ValueError, match="unquantized"):
+        rope_write_kv(*args, *cache_views(case["pool"]), *slots, scales[0], scales[1])
+
+
 def test_rope_write_kv_int32_slots():
     check_rope(5, 8, 2, 64, torch.float32, DEVICE, FP32_TOL, index_dtype=torch.int32)
 
@@ -220,6 +314,14 @@ def test_norms_bf16_cuda(rows):
 def test_rope_write_kv_bf16_cuda(rows):
     # Every op is correctly rounded at the points PyTorch rounds, so the match is exact.
     check_rope(rows, 32, 8, 128, torch.bfloat16, "cuda", {"atol": 0, "rtol": 0}, index_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", KV_FORMATS, ids=str)
+@pytest.mark.parametrize("rows", [1, 64, 200])
+def test_rope_write_kv_quantized_bf16_cuda(kv_dtype, rows):
+    check_rope_quantized(rows, 32, 8, 128, torch.bfloat16, kv_dtype, "cuda", exact=False)
 
 
 @pytest.mark.gpu

@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared import kv_quant
 from shared.kv_pool import allocate_local_pool, make_layout, pages_for
 from shared.model.llama import load_paged_llama
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Les fleurs du jardin sont très belles et"]
+KV_FORMATS = ["int8", "float8_e4m3"]
+# How far the embedded model's logits (up to ~20) move when earlier tokens' K/V come from quantized
+# pages: measured 0.15 (int8) and 0.32 (float8_e4m3) for test_quantized_prefill_in_chunks...
+QUANTIZED_LOGITS_ATOL = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,85 @@ def test_prefill_after_a_cached_prefix_equals_the_whole_prefill(model, pool, tok
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="at least one"):
         model.prefill(second, pool, own_pages, start=len(second))
+
+
+def quantized_pool(model, kv_dtype: str, num_pages: int = 48):
+    layout = make_layout(model.num_layers, num_pages, 16, model.num_kv_heads, model.head_dim,
+                         kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
+    return allocate_local_pool(layout, model.device)[0]
+
+
+def first_tokens(kv, count: int) -> torch.Tensor:
+    """[shards, count, ...]: the first `count` token slots of the pages kv[:, pages] lists."""
+    return kv.flatten(1, 2)[:, :count]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_FORMATS)
+def test_quantized_prefill_in_chunks_and_after_a_cached_prefix(model, pool, tokenizer, kv_dtype):
+    """A whole prompt attends to its own K/V as computed, so its logits are the unquantized
+    cache's; its pages hold that K/V quantized. In chunks, or after a cached prefix, the earlier
+    tokens' K/V come from the quantized pages: the logits move within quantization error, and the
+    cached pages stay as they were."""
+    quantized = quantized_pool(model, kv_dtype)
+    ids = tokenizer("A long prompt, cut into chunks that do not line up with pages: " * 3)["input_ids"]
+    pages = list(range(pages_for(len(ids), 16)))
+    exact = model.prefill(ids, pool, pages)
+    whole = model.prefill(ids, quantized, pages)
+    torch.testing.assert_close(whole, exact, atol=1e-5, rtol=1e-5)
+    values, scales = kv_quant.quantize(first_tokens(pool.kv[:, pages], len(ids)), quantized.kv.dtype)
+    assert torch.equal(first_tokens(quantized.kv[:, pages], len(ids)).view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(first_tokens(quantized.scales[:, pages], len(ids)), scales)
+    chunked = model.prefill(ids, quantized, pages, chunk_tokens=7)
+    assert (chunked - whole).abs().max() < QUANTIZED_LOGITS_ATOL and chunked.argmax() == whole.argmax()
+
+    system = tokenizer("You are a careful assistant. You answer every question briefly, in one sentence. ")["input_ids"]
+    first = system + tokenizer("What is the capital of France?")["input_ids"]
+    second = system + tokenizer("Name the three primary colors.")["input_ids"]
+    shared = len(system) // 16
+    first_pages = list(range(pages_for(len(first), 16)))
+    model.prefill(first, quantized, first_pages)
+    cached = quantized.kv[:, first_pages[:shared]].clone(), quantized.scales[:, first_pages[:shared]].clone()
+    whole = model.prefill(second, quantized, list(range(20, 20 + pages_for(len(second), 16))))
+    own_pages = first_pages[:shared] + list(range(40, 40 + pages_for(len(second), 16) - shared))
+    for chunk_tokens in (0, 5):
+        ours = model.prefill(second, quantized, own_pages, chunk_tokens=chunk_tokens, start=shared * 16)
+        assert (ours - whole).abs().max() < QUANTIZED_LOGITS_ATOL and ours.argmax() == whole.argmax()
+    assert torch.equal(quantized.kv[:, first_pages[:shared]].view(torch.uint8), cached[0].view(torch.uint8))
+    assert torch.equal(quantized.scales[:, first_pages[:shared]], cached[1])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_FORMATS)
+def test_quantized_decode_keeps_the_greedy_tokens(model, pool, tokenizer, kv_dtype):
+    """Batched decode steps over quantized pages (the CPU path: dequantized gathers) generate the
+    unquantized cache's greedy tokens on a prompt whose continuation has clear margins."""
+    quantized = quantized_pool(model, kv_dtype)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    page_sets = [[3, 17, 5], [0, 22, 9]]
+    table = torch.tensor(page_sets)
+    tokens = {}
+    for name, kv in (("exact", pool), (kv_dtype, quantized)):
+        step = torch.stack([model.prefill(ids, kv, pages).argmax() for ids, pages in zip(prompts, page_sets)])
+        generated = [step]
+        for i in range(11):
+            positions = torch.tensor([len(ids) + i for ids in prompts])
+            generated.append(model.decode(generated[-1], positions, table, kv).argmax(-1))
+        tokens[name] = torch.stack(generated, dim=1)
+    assert torch.equal(tokens[kv_dtype], tokens["exact"])
+
+
+def test_the_gpu_prefills_fused_quantized_write_equals_the_cpu_path():
+    """On a GPU a quantizing prefill writes its K/V with the Triton RoPE kernel (here interpreted):
+    the same q, k, v to attend to, and the same pages and scales as _qkv and the pool's write."""
+    tiny = load_paged_llama("random:llama-tiny", "float32", "cpu")
+    fused, plain = quantized_pool(tiny, "int8", 8), quantized_pool(tiny, "int8", 8)
+    x = tiny.embed[torch.tensor([1, 5, 9, 13, 200, 31, 7, 2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])]
+    positions = torch.arange(3, 3 + len(x))
+    pages, offsets = torch.tensor([2, 5])[positions // 16], positions % 16
+    q, k, v = tiny._rope_write_kv(tiny.layers[1], x, positions, fused, 1, pages, offsets)
+    ref_q, ref_k, ref_v = tiny._qkv(tiny.layers[1], x, positions)
+    plain.write(1, pages, offsets, ref_k, ref_v)
+    torch.testing.assert_close((q, k, v), (ref_q, ref_k, ref_v), atol=1e-6, rtol=1e-6)
+    assert torch.equal(fused.kv, plain.kv) and torch.equal(fused.scales, plain.scales)
 
 
 def test_random_preset_builds_the_8b_shape():

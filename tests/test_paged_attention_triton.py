@@ -1,7 +1,8 @@
-"""paged_decode_attention against SDPA on the gathered, contiguous K/V.
+"""paged_decode_attention against SDPA on the gathered, contiguous K/V; quantized caches against
+SDPA on the same caches dequantized by shared/kv_quant.py, and the CPU path's own dequantization.
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
-cases run compiled on the GPU, plus one bf16 case at serving size.
+cases run compiled on the GPU, plus bf16 cases at serving size.
 """
 
 import os
@@ -15,6 +16,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from shared import kv_quant  # noqa: E402
+from shared.model import attention  # noqa: E402
 from shared.model.paged_attention_triton import _choose_num_splits, paged_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,6 +77,29 @@ def check(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, page_size=16)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def quantized(cache, kv_dtype):
+    """The cache in kv_dtype with its scales; the slots that hold NaN get a NaN scale, so reading
+    past seq_len still shows up."""
+    values, scales = kv_quant.quantize(torch.nan_to_num(cache.float()), kv_dtype)
+    scales[cache.isnan().any(-1)] = float("nan")
+    return values, scales
+
+
+def check_quantized(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, kv_dtype, dtype=torch.float32,
+                    device=DEVICE, tol=None):
+    q, k_cache, v_cache, page_table, seq_lens_t = make_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype, device)
+    (k_values, k_scale), (v_values, v_scale) = quantized(k_cache, kv_dtype), quantized(v_cache, kv_dtype)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens_t, scale, k_scale, v_scale,
+                                 num_splits=num_splits)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+    ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
+                    kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens_t, scale)
+    torch.testing.assert_close(out.float(), ref, **(tol or {"atol": 1e-4, "rtol": 1e-4}))
+    return q, (k_values, k_scale, v_values, v_scale), page_table, seq_lens_t, ref
+
+
 # seq_lens for batch 1 and 3; none of them fills its last 16-token page except where noted.
 @pytest.mark.parametrize("seq_lens", [[1], [17], [100], [100, 1, 17], [33, 100, 64]],
                          ids=["b1-L1", "b1-L17", "b1-L100", "b3-mixed", "b3-full-page"])
@@ -103,6 +129,36 @@ def test_default_num_splits():
     check([100, 1, 17], 4, 1, 64, num_splits=None)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,num_splits",
+                         [([1], 2, 2, 64, 1), ([100, 1, 17], 6, 2, 64, 3), ([33, 100], 8, 2, 128, 2)],
+                         ids=["b1-L1-mha", "b3-gqa3-split3", "b2-gqa4-d128"])
+def test_quantized_matches_sdpa_on_the_dequantized_cache(kv_dtype, seq_lens, num_heads, num_kv_heads, head_dim,
+                                                         num_splits):
+    check_quantized(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_the_cpu_path_dequantizes_as_the_kernel(kv_dtype):
+    """shared/model/attention.py on the CPU, the decode's path there, over the same quantized pages."""
+    q, (k_values, k_scale, v_values, v_scale), page_table, seq_lens, ref = check_quantized(
+        [100, 1, 17], 6, 2, 64, 2, kv_dtype, device="cpu")
+    out = attention.paged_decode_attention(q, k_values, v_values, page_table.long(), seq_lens.long(), 64 ** -0.5,
+                                           k_scale.nan_to_num(), v_scale.nan_to_num())
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_caches_need_both_scales():
+    q, k_cache, v_cache, page_table, seq_lens = make_case([17], 2, 2, 64, 16, torch.float32, DEVICE)
+    (k_values, k_scale), (v_values, v_scale) = quantized(k_cache, torch.int8), quantized(v_cache, torch.int8)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="v_scale"):
+        paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 0.125, k_scale, None)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.125, k_scale, v_scale)
+
+
 def test_choose_num_splits_fills_gpu():
     # Small batch, long context: enough programs for every one of 132 SMs.
     splits = _choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132)
@@ -127,3 +183,12 @@ def test_bf16_cuda_large(num_splits):
     ref = reference(q, k_cache, v_cache, page_table, seq_lens_t, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA with compiled (not interpreted) Triton")
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_quantized_bf16_cuda_large(kv_dtype):
+    check_quantized([8192, 8000, 4097, 1, 300], 32, 8, 128, None, kv_dtype, torch.bfloat16, "cuda",
+                    {"atol": 2e-2, "rtol": 2e-2})

@@ -23,7 +23,7 @@ import structlog
 from services.decode.batch import DecodingRequest, StepInputBuilder
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.handoff import HandoffError, KvPuller
-from shared import metrics
+from shared import kv_quant, metrics
 from shared.config import Config
 from shared.device import on_stream, worker_stream
 from shared.dispatch import FatalError
@@ -82,8 +82,8 @@ class DecodeWorker(WorkerLoop):
         self.weights_from = config.decode.weights_from
         # One page more than the allocator hands out: the CUDA graphs' padding rows write there,
         # and the puller's copy of a newly mapped pool.
-        layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size,
-                             model.num_kv_heads, model.head_dim, model.embed.dtype)
+        layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size, model.num_kv_heads,
+                             model.head_dim, kv_quant.storage_dtype(config.kv.dtype, model.embed.dtype))
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages

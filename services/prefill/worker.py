@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from shared import metrics, wire
+from shared import kv_quant, metrics, wire
 from shared.device import on_stream, worker_stream
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
@@ -59,8 +59,8 @@ class PrefillWorker(WorkerLoop):
         self.model = model
         self.finish = worker.finish
         self.chunk_tokens = config.prefill.chunk_tokens
-        layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size,
-                             model.num_kv_heads, model.head_dim, model.embed.dtype)
+        layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size, model.num_kv_heads,
+                             model.head_dim, kv_quant.storage_dtype(config.kv.dtype, model.embed.dtype))
         self.page_size = layout.page_size
         # Decodes may be on other hosts only where the control plane is tcp:// (choice.py).
         cross_host = config.router.zmq_endpoint().startswith("tcp://") and not colocated

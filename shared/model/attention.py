@@ -3,9 +3,9 @@
 prefill_attention: causal attention over a prompt chunk's contiguous K/V (flash attention via
 SDPA where the device has it); a later chunk also sees the earlier chunks' K/V, with the causal
 mask aligned to the bottom right. paged_decode_attention: one new token per sequence against
-its pages; on a GPU the Triton kernel reads the pages in place
-(shared/model/paged_attention_triton.py); on the CPU the pages are gathered, which is cheap for
-the CPU's small contexts.
+its pages; on a GPU the Triton kernel reads the pages in place and dequantizes quantized ones in
+registers (shared/model/paged_attention_triton.py); on the CPU the pages are gathered and
+dequantized, which is cheap for the CPU's small contexts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from shared import kv_quant
 from shared.model import paged_attention_triton
 
 
@@ -29,16 +30,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; caches [pages, page_size, KVH, D]; page_table [B, P]; seq_lens [B] -> [B, H, D]."""
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; caches [pages, page_size, KVH, D]; page_table [B, P]; seq_lens [B] -> [B, H, D].
+    k_scale/v_scale [pages, page_size, KVH]: the scales of quantized caches, None for unquantized."""
     if q.is_cuda:
         return paged_attention_triton.paged_decode_attention(
-            q, k_cache, v_cache, page_table.to(torch.int32), seq_lens.to(torch.int32), scale)
+            q, k_cache, v_cache, page_table.to(torch.int32), seq_lens.to(torch.int32), scale, k_scale, v_scale)
     batch, max_pages = page_table.shape
     _, page_size, kv_heads, head_dim = k_cache.shape
     length = max_pages * page_size
-    k = k_cache[page_table].view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[page_table].view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    k, v = k_cache[page_table], v_cache[page_table]
+    if k_scale is not None:
+        k, v = kv_quant.dequantize(k, k_scale[page_table], q.dtype), kv_quant.dequantize(v, v_scale[page_table], q.dtype)
+    k = k.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, length, kv_heads, head_dim).transpose(1, 2)
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,

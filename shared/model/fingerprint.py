@@ -42,16 +42,19 @@ def checkpoint_fingerprint(checkpoint: Path | str, hf_config) -> tuple[str, str,
 
 
 def model_fingerprint(checkpoint: Path | str, hf_config, dtype: str, num_layers: int, num_kv_heads: int,
-                      head_dim: int, page_size: int) -> ModelFingerprint:
-    kv_layout = f"layers={num_layers} kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size}"
+                      head_dim: int, page_size: int, kv_dtype: str) -> ModelFingerprint:
+    """dtype: the activations'; kv_dtype: the KV cache's format (kv.dtype)."""
+    kv_layout = (f"layers={num_layers} kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
+                 f"kv_dtype={kv_dtype}")
     return ModelFingerprint(*checkpoint_fingerprint(checkpoint, hf_config), dtype, kv_layout)
 
 
 def differences(ours: ModelFingerprint, theirs: ModelFingerprint) -> list[str]:
-    """The fields that differ, for a refusal that says what is wrong."""
-    return [f"{name} {getattr(theirs, name)[:16]} instead of {getattr(ours, name)[:16]}"
-            for name in ("config_sha", "weights_sha", "tokenizer_sha", "dtype", "kv_layout")
-            if getattr(ours, name) != getattr(theirs, name)]
+    """The fields that differ, for a refusal that says what is wrong: hashes by their first 16
+    digits, dtype and KV layout whole (two layouts differ in their ends, e.g. kv_dtype)."""
+    shown = {"config_sha": 16, "weights_sha": 16, "tokenizer_sha": 16, "dtype": None, "kv_layout": None}
+    return [f"{name} {getattr(theirs, name)[:length]} instead of {getattr(ours, name)[:length]}"
+            for name, length in shown.items() if getattr(ours, name) != getattr(theirs, name)]
 
 
 def _sha(data: bytes) -> str:

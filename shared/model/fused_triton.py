@@ -7,6 +7,7 @@ replaces one such chain with one launch:
     rms_norm(x, w, eps)              the final / first norm                 (~6 kernels -> 1)
     add_rms_norm(x, res, w, eps)     residual add + the next layer's norm   (~7 kernels -> 1)
     rope_write_kv(qkv, ...)          split, RoPE on q and k, KV page write  (~20 kernels -> 1)
+                                     (quantized pages: with the quantization and the scales' write)
     silu_and_mul(gate_up)            chunk, SiLU, multiply                  (~3 kernels -> 1)
 
 Numerics follow the PyTorch expressions they replace (transformers' LlamaModel): the math runs in
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from shared import kv_quant
 from shared.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 # Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs.
@@ -57,14 +59,29 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _store_quantized(values_ptr, scale_ptr, x, mask, scale_mask, QMAX: tl.constexpr, ROUND: tl.constexpr):
+        """One (token, kv head) row x as x / s in the cache's format and s = max|x| / QMAX beside it,
+        as shared/kv_quant.py's quantize does."""
+        x = x.to(tl.float32)
+        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+        inverse = QMAX / tl.where(amax > 0, amax, 1.0)  # a row of zeros stays zeros, with scale 0
+        y = tl.minimum(tl.maximum(x * inverse, -QMAX), QMAX)
+        if ROUND:  # int8: half up, then exact in the conversion
+            y = tl.floor(y + 0.5)
+        tl.store(values_ptr, y.to(values_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr, amax / QMAX, mask=scale_mask)
+
+    @triton.jit
     def _rope_write_kv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, page_ptr, offset_ptr,
-        q_ptr, k_ptr, v_ptr,
+        q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr,
         stride_qkv, stride_cos, stride_sin, stride_qn, stride_qh,
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
+        stride_sp, stride_st, stride_kon, stride_koh,
         num_heads, num_kv_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
+        ROUND: tl.constexpr, K_OUT: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         # Program (n, h): h < num_heads rotates q head h into q; otherwise kv head h - num_heads
@@ -96,14 +113,22 @@ if triton is not None:
         tl.store(q_ptr + n * stride_qn + h * stride_qh + d, out, mask=d_mask & is_q)
 
         kv_mask = d_mask & ~is_q
+        if K_OUT:
+            tl.store(k_out_ptr + n * stride_kon + kvh * stride_koh + d, out, mask=kv_mask)
         # int64: page * stride_kp overflows int32 for pools above 2**31 elements.
         page = tl.load(page_ptr + n).to(tl.int64)
         slot = tl.load(offset_ptr + n).to(tl.int64)
-        tl.store(k_ptr + page * stride_kp + slot * stride_kt + kvh * stride_kh + d,
-                 out.to(k_ptr.dtype.element_ty), mask=kv_mask)
+        k_at = k_ptr + page * stride_kp + slot * stride_kt + kvh * stride_kh + d
         v = tl.load(row + (num_heads + num_kv_heads + kvh) * HEAD_DIM + d, mask=kv_mask, other=0.0)
-        tl.store(v_ptr + page * stride_vp + slot * stride_vt + kvh * stride_vh + d,
-                 v.to(v_ptr.dtype.element_ty), mask=kv_mask)
+        v_at = v_ptr + page * stride_vp + slot * stride_vt + kvh * stride_vh + d
+        if QUANTIZED:
+            # A q program's kvh is negative: its scale address is out of range, and masked.
+            scale_at = page * stride_sp + slot * stride_st + kvh
+            _store_quantized(k_at, k_scale_ptr + scale_at, out, kv_mask, h >= num_heads, QMAX, ROUND)
+            _store_quantized(v_at, v_scale_ptr + scale_at, v, kv_mask, h >= num_heads, QMAX, ROUND)
+        else:
+            tl.store(k_at, out.to(k_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_at, v.to(v_ptr.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -170,7 +195,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, head_dim: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  k_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate-half RoPE on the q and k of a fused projection, writing k and v to the paged cache.
 
     qkv [N, (H + 2*KVH) * D] holds each row's q heads, then k heads, then v heads; cos/sin
@@ -178,6 +205,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     KVH, D] with a contiguous last dim (other strides free); pages/offsets [N] int32 or int64 name
     each row's slot. Writes rotated k and plain v to k_cache[pages[n], offsets[n]] /
     v_cache[...] and returns rotated q as a new [N, H, D] tensor. One launch.
+    int8 or float8_e4m3fn caches are written quantized, each (token, kv head) with its float32
+    scale in k_scale/v_scale [num_pages, page_size, KVH] (shared/kv_quant.py). k_out [N, KVH, D] in
+    qkv's dtype, if given, also receives the rotated k as computed (a quantizing prefill attends to it).
     """
     require_triton("rope_write_kv")
     _check_rows("qkv", qkv)
@@ -196,24 +226,49 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     for name, index in (("positions", positions), ("pages", pages), ("offsets", offsets)):
         if index.shape != (rows,) or index.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64 of shape ({rows},), got {tuple(index.shape)} {index.dtype}")
+    quantized = kv_quant.is_quantized(k_cache.dtype)
+    _check_scales(k_cache, v_cache, k_scale, v_scale, quantized)
+    if k_out is not None and (k_out.shape != (rows, num_kv_heads, head_dim) or k_out.dtype != qkv.dtype
+                              or k_out.stride(-1) != 1):
+        raise ValueError(f"k_out must be ({rows}, {num_kv_heads}, {head_dim}) {qkv.dtype} with a contiguous last dim")
 
     q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if rows == 0:
         return q
     _rope_write_kv_kernel[(rows, num_heads + num_kv_heads)](
         qkv, cos, sin, positions, pages, offsets,
-        q, k_cache, v_cache,
+        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
+        k_out if k_out is not None else q,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
+        k_out.stride(0) if k_out is not None else 0, k_out.stride(1) if k_out is not None else 0,
         num_heads, num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZED=quantized,
+        QMAX=kv_quant.QMAX.get(k_cache.dtype, 0.0), ROUND=k_cache.dtype == torch.int8, K_OUT=k_out is not None,
         num_warps=1 if head_dim <= 128 else 2,
         # Otherwise x * cos + rot * sin contracts to one fma, skipping PyTorch's rounding of x * cos
         # (1 ulp off on ~25% of bf16 elements); without it the result is bitwise PyTorch's.
         enable_fp_fusion=False, **pdl_options(qkv.device),
     )
     return q
+
+
+def _check_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, quantized: bool) -> None:
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ")
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"scales given for an unquantized {k_cache.dtype} cache")
+        return
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scales is None or scales.dtype != torch.float32 or scales.shape != k_cache.shape[:3] or scales.stride(-1) != 1:
+            raise ValueError(f"a {k_cache.dtype} cache needs {name} float32 {tuple(k_cache.shape[:3])} "
+                             "with a contiguous last dim")
+    if v_scale.stride() != k_scale.stride():
+        raise ValueError("k_scale and v_scale need the same strides")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

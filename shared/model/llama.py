@@ -136,12 +136,6 @@ class PagedLlama:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
 
-    @staticmethod
-    def _write_kv(pool: PagedKvPool, layer_index: int, pages: torch.Tensor, offsets: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor) -> None:
-        pool.key(layer_index)[pages, offsets] = k
-        pool.value(layer_index)[pages, offsets] = v
-
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int],
                 chunk_tokens: int = 0, after_chunk: Callable[[], None] | None = None, start: int = 0) -> torch.Tensor:
@@ -153,6 +147,8 @@ class PagedLlama:
         worker's liveness: a long prompt is progress, chunk by chunk). start: the KV of the first
         `start` tokens is already in the pages (a cached prefix), so only the rest is computed,
         attending to it as a later chunk does; at least the last token is computed, for its logits.
+        With quantized pages (kv.dtype int8 or float8_e4m3) a chunk attends to its own K/V as
+        computed and to the earlier tokens' as the pages hold them, dequantized, as the decode does.
         """
         if not 0 <= start < len(token_ids):
             raise ValueError(f"start {start} must leave at least one of the {len(token_ids)} tokens to compute")
@@ -172,16 +168,29 @@ class PagedLlama:
         chunk_pages, offsets = pages[positions // page_size], positions % page_size
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
-            self._write_kv(pool, i, chunk_pages, offsets, k, v)
-            if start > 0:  # earlier chunks or a cached prefix: read back the pages up to the chunk's end
-                used = pages[: -(-end // page_size)]
-                k = pool.key(i)[used].flatten(0, 1)[:end]
-                v = pool.value(i)[used].flatten(0, 1)[:end]
+            if pool.scales is not None and self.device.type == "cuda":
+                q, k, v = self._rope_write_kv(layer, x, positions, pool, i, chunk_pages, offsets)
+            else:
+                q, k, v = self._qkv(layer, x, positions)
+                pool.write(i, chunk_pages, offsets, k, v)
+            if start > 0:  # earlier chunks or a cached prefix: theirs from the pages, up to the chunk's end
+                k, v = pool.context(i, pages[: -(-end // page_size)], start, k, v)
             out = attention.prefill_attention(q, k, v, self.scale)
             x = x + F.linear(out.reshape(len(ids), -1), layer.o_proj)
             x = self._mlp_block(layer, x)
         return x
+
+    def _rope_write_kv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
+                       layer_index: int, pages: torch.Tensor, offsets: torch.Tensor):
+        """A GPU prefill chunk's q, k, v as _qkv computes them, with K and V quantized into the pages
+        by the same Triton kernel as the RoPE, as the decode writes them."""
+        qkv = F.linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+        k = torch.empty((len(x), self.num_kv_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
+        q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(layer_index),
+                                       pool.value(layer_index), pages, offsets, self.num_heads, self.num_kv_heads,
+                                       self.head_dim, pool.key_scale(layer_index), pool.value_scale(layer_index), k)
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(len(x), self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
@@ -196,8 +205,9 @@ class PagedLlama:
         x = self.embed[token_ids]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
-            self._write_kv(pool, i, pages, offsets, k, v)
-            out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale)
+            pool.write(i, pages, offsets, k, v)
+            out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
+                                                   pool.key_scale(i), pool.value_scale(i))
             x = x + F.linear(out.reshape(len(token_ids), -1), layer.o_proj)
             x = self._mlp_block(layer, x)
         return self._logits(x)
@@ -215,8 +225,10 @@ class PagedLlama:
         for i, layer in enumerate(self.layers):
             qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias)
             q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(i), pool.value(i), pages,
-                                           offsets, self.num_heads, self.num_kv_heads, self.head_dim)
-            out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale)
+                                           offsets, self.num_heads, self.num_kv_heads, self.head_dim,
+                                           pool.key_scale(i), pool.value_scale(i))
+            out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
+                                                   pool.key_scale(i), pool.value_scale(i))
             attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj)
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             gate_up = self.linears.apply(hidden, layer.gate_up)

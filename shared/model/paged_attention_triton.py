@@ -19,6 +19,11 @@ tl.dot) and writes fp32 partial (max, sum, unnormalised acc). A second kernel, o
 (b, h), rescales the partials to a common max and normalises. num_splits depends only on shapes
 (batch, KVH, page_table width) and the SM count, so the function never syncs with the device and
 can be captured in a CUDA graph.
+
+Quantized caches (int8 or float8_e4m3fn pages with a float32 scale per token and kv head, as
+shared/kv_quant.py writes them) are dequantized in registers, without a multiply per element:
+the values enter tl.dot as they are, converted to q's dtype (int8 and e4m3 values are exact in
+bf16), and each token's scale multiplies its column of scores (K) or of probabilities (V).
 """
 
 from __future__ import annotations
@@ -46,16 +51,18 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr,
+        q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page_table_ptr, seq_lens_ptr,
         m_ptr, l_ptr, acc_ptr,
         qk_scale, num_splits,
         stride_qb, stride_qh,
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
+        stride_sp, stride_st,
         stride_pt,
         num_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
@@ -88,8 +95,13 @@ if triton is not None:
             slot = tok % PAGE_SIZE
             k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                         mask=tok_mask[:, None], other=0.0)
+            scale_at = page * stride_sp + slot * stride_st + kvh  # unused, so compiled away, when not QUANTIZED
             # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if QUANTIZED:
+                k_scale = tl.load(k_scale_ptr + scale_at, mask=tok_mask, other=0.0)
+                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale[None, :] * qk_scale)
+            else:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             qk = tl.where(tok_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -97,7 +109,12 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                         mask=tok_mask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if QUANTIZED:
+                v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_mask, other=0.0)
+                pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         # Partials are [B, H, num_splits(, D)]; an empty split stores max=-inf, sum=0, acc=0.
@@ -145,12 +162,30 @@ def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms:
     return max(1, min(wanted, by_length, _MAX_AUTO_SPLITS))
 
 
+def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if k_scale is None and v_scale is None:
+        if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+            raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+        return
+    if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"scales given for caches of {k_cache.dtype} and {v_cache.dtype}: int8 or float8_e4m3fn expected")
+    expected = k_cache.shape[:3]
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scales is None or scales.dtype != torch.float32 or scales.shape != expected or scales.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 {tuple(expected)} with a contiguous last dim")
+    if v_scale.stride() != k_scale.stride():
+        raise ValueError("k_scale and v_scale need the same strides")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
-    num_splits=None picks it from the shapes (see _choose_num_splits)."""
+    k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
+    None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits)."""
     require_triton("paged_decode_attention")
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, kv_dim = k_cache.shape
@@ -158,8 +193,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     if kv_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not match the kv cache {tuple(k_cache.shape)}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("page_table and seq_lens must be int32")
     if page_table.dim() != 2 or page_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -181,19 +215,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
 
+    quantized = k_scale is not None
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens,
+        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache, page_table, seq_lens,
         m, l, acc,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
         page_table.stride(0),
         num_heads,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=_BLOCK_N,
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
         num_warps=4, num_stages=2, **pdl_options(q.device),
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](
