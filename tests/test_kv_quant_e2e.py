@@ -1,0 +1,108 @@
+"""Quantized KV through the real stack: a prefill and a decode process with kv.dtype int8 or
+float8_e4m3 serve requests whose greedy tokens equal those of the same model run in-process on a
+quantized pool. The decode reads every prompt token's K/V from pages the handoff brought, values
+and scales: pages without their scales would read back as zeros, and the tokens would differ.
+Alone, concurrently (batched in the decode), and after a prefix the prefill had cached."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from pdserve.v1 import generation_pb2
+
+from shared import kv_quant
+from shared.kv_pool import allocate_local_pool, make_layout, pages_for
+from shared.model.llama import load_paged_llama
+from tests.conftest import CACHE_DIR
+from tests.reference import assert_matches_reference
+from tests.stack import ServiceStack
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 12
+PAGE = 16
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ", "Zürich, Köln und Graz sind Städte in",
+           "Once upon a time, in a small village,"]
+SYSTEM = "You are a careful assistant. You answer every question briefly, in one sentence, and never more. "
+
+
+@pytest.fixture(scope="module", params=["int8", "float8_e4m3"])
+def kv_dtype(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory, kv_dtype):
+    with ServiceStack(tmp_path_factory.mktemp(f"kv-{kv_dtype}"), CACHE_DIR, PDSERVE_KV_DTYPE=kv_dtype) as services:
+        yield services
+        services.assert_pools_drained()
+        codes = services.stop()
+        assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_paged_llama(checkpoint, "float32", "cpu")
+
+
+class QuantizedReference:
+    """The stack's model in this process, on a pool of the stack's kv.dtype: a prefill (after a
+    cached prefix, if asked) and greedy decode steps one at a time."""
+
+    def __init__(self, model, kv_dtype: str):
+        self.model = model
+        layout = make_layout(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim,
+                             kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
+        self.pool = allocate_local_pool(layout, "cpu")[0]
+
+    def greedy(self, prompt: list[int], pages: list[int], start: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+        logits = [self.model.prefill(prompt, self.pool, pages, start=start)]
+        tokens = [int(logits[-1].argmax())]
+        table = torch.tensor([pages])
+        for step in range(MAX_TOKENS - 1):
+            position = torch.tensor([len(prompt) + step])
+            logits.append(self.model.decode(torch.tensor(tokens[-1:]), position, table, self.pool)[0])
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, logits
+
+
+def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
+    request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             ignore_eos=True)
+    chunks = list(stack.stub.Generate(request, timeout=120))
+    return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].usage.cached_prompt_tokens
+
+
+def test_greedy_tokens_equal_the_in_process_quantized_run(stack, model, tokenizer, kv_dtype):
+    reference = QuantizedReference(model, kv_dtype)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    expected = [reference.greedy(ids, list(range(pages_for(len(ids) + MAX_TOKENS, PAGE)))) for ids in prompts]
+    for ids, (tokens, logits) in zip(prompts, expected):
+        assert_matches_reference(_generate(stack, ids)[0], tokens, logits, f"{kv_dtype} prompt of {len(ids)}")
+    with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the decode
+        for ids, (got, _), (tokens, logits) in zip(prompts, pool.map(lambda p: _generate(stack, p), prompts),
+                                                    expected):
+            assert_matches_reference(got, tokens, logits, f"{kv_dtype} concurrent prompt of {len(ids)}")
+
+
+def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):
+    """The second prompt's prefill computes only what follows the first's cached pages, attending
+    to them dequantized, as the in-process run does from the same pages."""
+    first = tokenizer(SYSTEM + "What is the capital of France?")["input_ids"]
+    second = tokenizer(SYSTEM + "Name the three primary colors.")["input_ids"]
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b) // PAGE * PAGE
+    assert shared >= PAGE
+    reference = QuantizedReference(model, kv_dtype)
+    first_pages = list(range(pages_for(len(first) + MAX_TOKENS, PAGE)))
+    expected_first = reference.greedy(first, first_pages)
+    second_pages = first_pages[: shared // PAGE] + list(range(40, 40 + pages_for(len(second) + MAX_TOKENS, PAGE)
+                                                              - shared // PAGE))
+    expected_second = reference.greedy(second, second_pages, start=shared)
+
+    got_first, _ = _generate(stack, first)
+    got_second, cached = _generate(stack, second)
+    assert cached == shared
+    assert_matches_reference(got_first, *expected_first, f"{kv_dtype} first prompt")
+    assert_matches_reference(got_second, *expected_second, f"{kv_dtype} prompt after a cached prefix")
