@@ -10,6 +10,9 @@ format (float8_e4m3, int8) then runs the same prompts twice:
   absolute difference of its logits from the reference's (step 0 is the prefill's logits);
 - free-running, on its own greedy tokens: how many match the reference's before the first that
   differs, and how many prompts give the reference's whole sequence.
+The reference's margin between its top two logits (quantiles over every step of every prompt)
+says how close its greedy choices are: where they are closer than the quantized logits move, a
+token may flip (a random-weight model's margins are far below a trained model's).
 The prompts run batched through PagedLlama.prefill and .decode, as a prefill and a decode worker
 run them (on a GPU: the fused RoPE/KV write and the Triton paged attention, without CUDA graphs).
 A checkpoint's prompts are a fixed set of texts; a random-weight model's (random:...) are seeded
@@ -25,7 +28,7 @@ import torch
 
 from loadtest.report import emit
 from shared import kv_quant
-from shared.kv_pool import allocate_local_pool, make_layout, pages_for
+from shared.kv_pool import allocate_local_pool, make_layout, pages_for, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import load_tokenizer, resolve_checkpoint
@@ -110,11 +113,15 @@ def compare(reference: Run, forced: Run, free: Run) -> dict:
     }
 
 
+def top2_margins(run: Run) -> dict:
+    top2 = torch.stack(run.logits).topk(2, dim=-1).values
+    margins = (top2[..., 0] - top2[..., 1]).flatten().cpu()
+    return {f"p{q}": margins.quantile(q / 100).item() for q in (10, 50, 90)}
+
+
 def kv_bytes_per_token(model: PagedLlama, kv_dtype: str) -> int:
-    """Values and scales of one token, all layers: what a pool holds and a handoff moves per token."""
-    dtype = kv_quant.storage_dtype(kv_dtype, model.embed.dtype)
-    row = model.head_dim * dtype.itemsize + (kv_quant.SCALE_DTYPE.itemsize if kv_quant.is_quantized(dtype) else 0)
-    return 2 * model.num_layers * model.num_kv_heads * row
+    return token_bytes(make_layout(model.num_layers, 1, PAGE_SIZE, model.num_kv_heads, model.head_dim,
+                                   kv_quant.storage_dtype(kv_dtype, model.embed.dtype)))
 
 
 def main() -> None:
@@ -138,6 +145,7 @@ def main() -> None:
         "torch": torch.__version__, "dtype": dtype, "tokens": args.tokens,
         "prompt_tokens": [len(ids) for ids in prompts],
         "reference": f"kv.dtype bfloat16: unquantized {dtype} pages, {kv_bytes_per_token(model, 'bfloat16')} bytes/token",
+        "reference_top2_margin": top2_margins(reference),
         "formats": {},
     }
     for kv_dtype in QUANTIZED:

@@ -70,6 +70,12 @@ def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
     return regions
 
 
+def token_bytes(layout: KvLayout) -> int:
+    """What one token's K and V take in the pool, scales included, over all layers: what a handoff
+    moves and a decode step reads per token."""
+    return sum(page_bytes for _, page_bytes in shard_regions(layout)) // layout.page_size
+
+
 def torch_dtype(layout: KvLayout) -> torch.dtype:
     return getattr(torch, layout.dtype)
 

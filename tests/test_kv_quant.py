@@ -182,3 +182,46 @@ def _tiny_config():
     from shared.model.presets import preset_config
 
     return preset_config("random:llama-tiny")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", FORMATS, ids=str)
+def test_copy_pages_on_the_gpu_moves_values_and_scales(dtype):
+    src, _src_buffer = random_pool(make_layout(**SPEC, dtype=dtype), seed=3)
+    on_gpu, _gpu_buffer = allocate_local_pool(make_layout(**SPEC, dtype=dtype), "cuda")
+    back, _back_buffer = allocate_local_pool(make_layout(**{**SPEC, "num_pages": 5}, dtype=dtype), "cuda")
+    on_gpu.kv_bits.copy_(src.kv_bits)
+    on_gpu.scales.copy_(src.scales)
+    back.copy_pages_from(on_gpu, torch.tensor([4, 0, 6], device="cuda"), torch.tensor([1, 3, 2], device="cuda"))
+    assert torch.equal(back.kv_bits[:, [1, 3, 2]].cpu(), src.kv_bits[:, [4, 0, 6]])
+    assert torch.equal(back.scales[:, [1, 3, 2]].cpu(), src.scales[:, [4, 0, 6]])
+    assert torch.all(back.scales[:, [0, 4]] == 0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
+def test_gpu_prefill_and_decode_on_quantized_pages_equal_the_cpu_path(kv_dtype):
+    """The GPU's fused RoPE/quantizing write and Triton attention against the CPU's PyTorch path,
+    on the same weights: a whole prompt, one in chunks (which reads its first chunk back), a step."""
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    hf = random_hf_model("random:llama-tiny", torch.float32, "cuda:0")
+    models = {"cuda:0": PagedLlama.from_hf(hf, "cuda:0"), "cpu": PagedLlama.from_hf(hf.cpu(), "cpu")}
+    logits = {}
+    for device, model in models.items():
+        layout = make_layout(model.num_layers, 16, 16, model.num_kv_heads, model.head_dim,
+                             kv_quant.storage_dtype(kv_dtype, torch.float32))
+        pool = allocate_local_pool(layout, device)[0]
+        whole = model.prefill(list(range(5, 45)), pool, [3, 7, 1])
+        chunked = model.prefill(list(range(60, 93)), pool, [9, 2, 4], chunk_tokens=16)
+        step = model.decode(torch.tensor([11, 12], device=device), torch.tensor([40, 33], device=device),
+                            torch.tensor([[3, 7, 1], [9, 2, 4]], device=device), pool)
+        logits[device] = [whole.cpu(), chunked.cpu(), step.cpu()]
+    for gpu, cpu in zip(logits["cuda:0"], logits["cpu"]):
+        torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=2e-3)
