@@ -141,11 +141,11 @@ def test_quantized_matches_sdpa_on_the_dequantized_cache(kv_dtype, seq_lens, num
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
 def test_the_cpu_path_dequantizes_as_the_kernel(kv_dtype):
     """shared/model/attention.py on the CPU, the decode's path there, over the same quantized pages."""
-    q, (k_values, k_scale, v_values, v_scale), page_table, seq_lens, ref = check_quantized(
-        [100, 1, 17], 6, 2, 64, 2, kv_dtype, device="cpu")
-    out = attention.paged_decode_attention(q, k_values, v_values, page_table.long(), seq_lens.long(), 64 ** -0.5,
-                                           k_scale.nan_to_num(), v_scale.nan_to_num())
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    q, caches, page_table, seq_lens, ref = check_quantized([100, 1, 17], 6, 2, 64, 2, kv_dtype)
+    k_values, k_scale, v_values, v_scale = (t.cpu() for t in caches)
+    out = attention.paged_decode_attention(q.cpu(), k_values, v_values, page_table.cpu().long(), seq_lens.cpu().long(),
+                                           64 ** -0.5, k_scale.nan_to_num(), v_scale.nan_to_num())
+    torch.testing.assert_close(out, ref.cpu(), atol=1e-4, rtol=1e-4)
 
 
 def test_quantized_caches_need_both_scales():
