@@ -18,9 +18,9 @@ import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 from shared import wire
-from shared.messages import (EXIT_REFUSED, Abort, DecodeTask, ErrorCode, Failed, FinishReason, KvPulled, KvReady,
-                             ModelFingerprint, MsgKind, PrefillTask, Refused, Registered, ReleaseKv, Role, TokenBatch,
-                             TokenOut)
+from shared.messages import (EXIT_REFUSED, PROTOCOL_VERSION, Abort, DecodeTask, ErrorCode, Failed, FinishReason,
+                             KvPulled, KvReady, ModelFingerprint, MsgKind, PrefillTask, Refused, Registered, ReleaseKv,
+                             Role, TokenBatch, TokenOut)
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_hf_config
 from tests.conftest import CACHE_DIR
@@ -322,7 +322,8 @@ def test_a_worker_whose_register_this_router_cannot_read_is_refused_by_its_versi
     newer = ProtocolPeer(f"ipc://{stack.workdir}/run/router.ipc", "prefill-new", Role.PREFILL,
                          peers["prefill"].fingerprint)
     try:
-        newer.socket.send(msgpack.packb([int(MsgKind.REGISTER), "prefill-new", "prefill", 3, "a-field-of-v3"]))
-        assert "protocol version 3" in newer.receive(Refused).reason
+        version = PROTOCOL_VERSION + 1
+        newer.socket.send(msgpack.packb([int(MsgKind.REGISTER), "prefill-new", "prefill", version, "a-new-field"]))
+        assert f"protocol version {version}" in newer.receive(Refused).reason
     finally:
         newer.close()
