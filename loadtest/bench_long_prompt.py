@@ -1,0 +1,216 @@
+"""One long prompt through the whole stack: its time to first token beside the compute bound, and the
+decode's step at that context beside its memory floor (JSON on stdout).
+
+    python -m loadtest.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--out FILE]
+
+The stack is the real one (services/stack/local.py: router, one prefill, one decode; on a GPU the
+decode maps the prefill's weights), with both KV pools sized to the prompt plus its output, the
+router's limits opened to its bytes and its timeouts to its length. One prompt of random token ids
+goes through gRPC as prompt_token_ids, EOS ignored, after a warm-up prompt of two chunks (so the
+first-call costs and the path of a chunk attending to earlier pages are paid before).
+
+In the same run, before the stack starts (it would share the device otherwise):
+- the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
+  causal attention, loadtest/bench_gpu.prefill_flops) at that rate;
+- the copy bandwidth, so a decode step's floor is (weight bytes + the context's KV bytes, scales
+  included: shared/kv_pool.token_bytes) / bandwidth, at the mean context of the decoded tokens.
+On a GPU both are loadtest/bench_gpu's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
+float32 matmul and a host copy on this process's threads, labelled so: the services compute on
+their own pinned cores, so the CPU ratios show that the script works, not how close pdserve is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from pdserve.v1 import generation_pb2_grpc
+
+from loadtest import bench_gpu
+from loadtest.bench_gpu_stack import gpu_stack_settings
+from loadtest.generate_client import StreamRecord, generate, generate_request
+from loadtest.percentiles import quantile
+from loadtest.report import emit
+from loadtest.workload import RequestSpec
+from services.stack.local import SERVICES, LocalStack
+from shared import kv_quant
+from shared.config import KvConfig, RouterConfig
+from shared.kv_pool import decode_pages_needed, make_layout, token_bytes
+from shared.model.llama import PagedLlama
+from shared.model.loader import load_hf_config, resolve_checkpoint
+
+CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+GRPC_BYTES_PER_TOKEN_ID = 5  # a packed varint of up to 32 bits
+_CPU_MATMUL = 2048
+
+
+def cpu_rates() -> dict:
+    """A float32 matmul and a 256 MiB host copy, best of five, on this process's threads."""
+    def best_s(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    a, b = torch.randn(_CPU_MATMUL, _CPU_MATMUL), torch.randn(_CPU_MATMUL, _CPU_MATMUL)
+    src = torch.empty(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return {"matmul_tflops": 2 * _CPU_MATMUL ** 3 / best_s(lambda: a @ b) / 1e12,
+            "copy_bandwidth_gbs": 2 * src.numel() / best_s(lambda: dst.copy_(src)) / 1e9,
+            "measured": f"cpu: float32 {_CPU_MATMUL}^3 matmul and a 256 MiB host copy on "
+                        f"{torch.get_num_threads()} threads of the benchmark process, not the services' cores"}
+
+
+def device_rates(device: str) -> dict:
+    if not device.startswith("cuda"):
+        return cpu_rates()
+    rates = {"matmul_tflops": bench_gpu.matmul_tflops(), "copy_bandwidth_gbs": bench_gpu.copy_bandwidth_gbs(),
+             "measured": f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul and a 4 GiB device copy "
+                         "(loadtest/bench_gpu.py), before the stack started"}
+    torch.cuda.empty_cache()  # the stack needs the memory
+    return rates
+
+
+def model_shape(checkpoint, dtype: torch.dtype) -> PagedLlama:
+    """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(load_hf_config(checkpoint), dtype=dtype)
+    return PagedLlama.from_hf(hf, "meta")
+
+
+def kv_token_bytes(model: PagedLlama, kv_dtype: str, page_size: int) -> int:
+    storage = kv_quant.storage_dtype(kv_dtype, model.embed.dtype)
+    return token_bytes(make_layout(model.num_layers, 1, page_size, model.num_kv_heads, model.head_dim, storage))
+
+
+def stack_settings(args, pages: int) -> dict[str, str]:
+    """bench_gpu_stack's settings on a GPU; then pools of `pages`, and the limits and timeouts of
+    the router opened to one prompt of args.tokens taking up to args.request_timeout_s."""
+    base = {"PDSERVE_MODEL_DEVICE": args.device}
+    if args.device.startswith("cuda"):  # one request: one graph, batch 1
+        base = gpu_stack_settings(args.model, SERVICES) | base | {"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1"}
+    timeout = str(args.request_timeout_s)
+    return base | {
+        "PDSERVE_MODEL_PATH": args.model, "PDSERVE_KV_DTYPE": args.kv_dtype,
+        "PDSERVE_KV_PREFILL_PAGES": str(pages), "PDSERVE_KV_DECODE_PAGES": str(pages),
+        "PDSERVE_PREFILL_CHUNK_TOKENS": str(args.chunk_tokens),
+        # Random prompts share nothing; without the cache the warm-up's pages go back to the pool.
+        "PDSERVE_PREFILL_PREFIX_CACHE": "false",
+        "PDSERVE_ROUTER_MAX_PROMPT_BYTES": str(max(RouterConfig.max_prompt_bytes, 4 * args.tokens)),
+        "PDSERVE_ROUTER_MAX_REQUEST_BYTES": str(max(RouterConfig.max_request_bytes,
+                                                    GRPC_BYTES_PER_TOKEN_ID * args.tokens + 65536)),
+        # One prefill chunk late in a long prompt is one step of the prefill's loop.
+        "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": timeout, "PDSERVE_ROUTER_PROGRESS_TIMEOUT_S": timeout,
+    }
+
+
+async def one_prompt(address: str, prompt: list[int], output_tokens: int, timeout_s: float) -> StreamRecord:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        record = await generate(stub, generate_request(RequestSpec("long", tuple(prompt), output_tokens, seed=0)),
+                                timeout_s)
+    if not record.ok:
+        raise RuntimeError(f"request of {len(prompt)} tokens failed: {record.code}: {record.details}")
+    return record
+
+
+def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, tflops: float) -> dict:
+    flops = bench_gpu.prefill_flops(model, tokens)
+    bound_s = flops / (tflops * 1e12)
+    return {"ttft_s": record.ttft_s, "stage_timings_s": record.timings, "flops": flops, "bound_s": bound_s,
+            "ttft_over_bound": record.ttft_s / bound_s,
+            "prefill_compute_over_bound": record.timings["prefill_compute_s"] / bound_s if record.timings else None}
+
+
+def decode_report(record: StreamRecord, model: PagedLlama, tokens: int, kv_bytes: int, bandwidth_gbs: float) -> dict:
+    """The gaps after the decode's first token (the one before it holds the handoff): at batch 1 one
+    chunk is one step. The floor is at the mean context of those steps."""
+    gaps = record.itls_s[1:]
+    if not gaps:
+        return {"skipped": "needs at least 3 output tokens"}
+    context = tokens + record.tokens / 2
+    weights = bench_gpu.weight_bytes_per_step(model)
+    floor_s = (weights + context * kv_bytes) / (bandwidth_gbs * 1e9)
+    p50 = quantile(gaps, 0.5)
+    return {"steps": len(gaps), "mean_context": context, "ms_per_token_p50": p50 * 1e3,
+            "ms_per_token_min": min(gaps) * 1e3, "weight_bytes": weights, "kv_bytes_per_token": kv_bytes,
+            "floor_ms": floor_s * 1e3, "p50_over_floor": p50 / floor_s,
+            "tpot_s": record.tpot_s, "first_to_second_token_s": record.itls_s[0]}
+
+
+def run(args) -> dict:
+    rates = device_rates(args.device)
+    print(f"rates: {rates}", file=sys.stderr)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    page_size = KvConfig.page_size
+    pages = args.kv_pages or decode_pages_needed(args.tokens, args.output_tokens, page_size)
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), CACHE_DIR,
+                                                              start_timeout_s=args.start_timeout_s,
+                                                              **stack_settings(args, pages)) as stack:
+        model = model_shape(resolve_checkpoint(args.model, CACHE_DIR), dtype)
+        vocab = model.vocab_size
+        if args.warmup_tokens:
+            warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
+            asyncio.run(one_prompt(stack.address, warm, min(3, args.output_tokens), args.request_timeout_s))
+        prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
+        record = asyncio.run(one_prompt(stack.address, prompt, args.output_tokens, args.request_timeout_s))
+    kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
+    return {
+        "model": args.model, "device": args.device, "tokens": args.tokens, "output_tokens": record.tokens,
+        "kv_dtype": args.kv_dtype, "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
+        "pool_pages": pages, "page_size": page_size, "pool_gb": pages * page_size * kv_bytes / 1e9,
+        "rates": rates,
+        "prefill": prefill_report(record, model, args.tokens, rates["matmul_tflops"]),
+        "decode": decode_report(record, model, args.tokens, kv_bytes, rates["copy_bandwidth_gbs"]),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_long_prompt")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", help="default: random:llama-3.1-8b-512k on a GPU, embedded on the CPU")
+    parser.add_argument("--tokens", type=int, default=131072, help="prompt tokens")
+    parser.add_argument("--output-tokens", type=int, default=64, help="generated, EOS ignored")
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "int8", "float8_e4m3"))
+    parser.add_argument("--chunk-tokens", type=int, default=32768, help="prefill.chunk_tokens; 0: whole")
+    parser.add_argument("--kv-pages", type=int, default=0,
+                        help="pages of each pool; 0: just the prompt plus its output")
+    parser.add_argument("--warmup-tokens", type=int,
+                        help="the warm-up prompt; default two chunks (at most the prompt), 0: none")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    args.model = args.model or ("random:llama-3.1-8b-512k" if args.device.startswith("cuda") else "embedded")
+    if args.warmup_tokens is None:
+        args.warmup_tokens = min(args.tokens, 2 * args.chunk_tokens) if args.chunk_tokens else min(args.tokens, 1024)
+    if args.tokens < 1 or args.output_tokens < 1:
+        parser.error("--tokens and --output-tokens must be positive")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    context = load_hf_config(resolve_checkpoint(args.model, CACHE_DIR)).max_position_embeddings
+    if args.tokens + args.output_tokens > context:
+        sys.exit(f"--tokens + --output-tokens ({args.tokens + args.output_tokens}) exceed {args.model}'s context "
+                 f"of {context}")
+    emit(run(args), args.out)
+
+
+if __name__ == "__main__":
+    main()

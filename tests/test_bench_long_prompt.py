@@ -1,0 +1,46 @@
+"""The long-prompt benchmark end to end on the CPU with the embedded model: one small prompt through
+the real stack, in chunks, with int8 pages; its report's fields present and consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loadtest.bench_long_prompt import kv_token_bytes, model_shape
+from tests.stack import REPO
+
+
+def test_the_512k_preset_has_the_8b_shape_and_int8_pages_of_67584_bytes_a_token():
+    import torch
+
+    model = model_shape("random:llama-3.1-8b-512k", torch.bfloat16)
+    assert model.max_context == 524288 and tuple(model.cos.shape) == (524288, 128)
+    assert kv_token_bytes(model, "int8", 16) == 67584
+    assert kv_token_bytes(model, "bfloat16", 16) == 131072
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_one_chunked_prompt_reports_ttft_beside_its_bound_and_the_decode_beside_its_floor(checkpoint, tmp_path):
+    out = tmp_path / "long.json"
+    command = [sys.executable, "-m", "loadtest.bench_long_prompt", "--device", "cpu", "--tokens", "256",
+               "--output-tokens", "4", "--chunk-tokens", "128", "--kv-dtype", "int8", "--out", str(out),
+               "--start-timeout-s", "180", "--request-timeout-s", "120"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert json.loads(done.stdout) == report
+    assert report["tokens"] == 256 and report["output_tokens"] == 4 and report["kv_dtype"] == "int8"
+    assert report["pool_pages"] == 17  # 260 tokens in pages of 16
+    assert report["rates"]["matmul_tflops"] > 0 and report["rates"]["measured"].startswith("cpu")
+    prefill = report["prefill"]
+    assert prefill["ttft_s"] > 0 and prefill["bound_s"] > 0 and prefill["flops"] > 0
+    assert prefill["ttft_over_bound"] == pytest.approx(prefill["ttft_s"] / prefill["bound_s"])
+    timings = prefill["stage_timings_s"]
+    assert 0 < timings["prefill_compute_s"] <= timings["first_token_s"] <= prefill["ttft_s"]
+    decode = report["decode"]
+    assert decode["steps"] == 2 and decode["floor_ms"] > 0 and decode["ms_per_token_p50"] > 0
+    assert decode["mean_context"] == 256 + 4 / 2
