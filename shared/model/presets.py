@@ -11,26 +11,22 @@ import torch
 
 PREFIX = "random:"
 
+LLAMA_3_1_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_id=128009,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+
 PRESETS = {
-    "llama-3.1-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128009,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
+    "llama-3.1-8b": LLAMA_3_1_8B,
     # The same shape with a 512K context, for one 512K-token prompt (loadtest/bench_long_prompt.py).
     # RoPE keeps Llama 3.1's scaling, stretched 64 times instead of 8 over the 8192 original
     # positions, so that every position up to 524288 lies within the scaled range.
-    "llama-3.1-8b-512k": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=524288,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128009,
-        rope_scaling={"rope_type": "llama3", "factor": 64.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
+    "llama-3.1-8b-512k": {**LLAMA_3_1_8B, "max_position_embeddings": 524288,
+                          "rope_scaling": {**LLAMA_3_1_8B["rope_scaling"], "factor": 64.0}},
     # A small model of the same family for quick GPU tests.
     "llama-tiny": dict(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
