@@ -7,7 +7,7 @@ from services.router.routing import RoutingPolicy
 from services.router.validation import Job
 from services.router.workers import Worker, WorkerRegistry
 from shared.config import RoutingConfig
-from shared.messages import ModelFingerprint, Role, SamplingParams, StopParams
+from shared.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
 from shared.prefix_hash import page_keys
 
 PAGE = 16
@@ -95,3 +95,23 @@ def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():
     assert registry.paired()
     decode.unreachable["prefill-0"] = "a decode on cpu cannot pull a 'cuda_ipc' pool"
     assert not registry.paired()
+
+
+def test_a_prefill_registering_anew_is_tried_afresh_by_the_decodes_that_could_not_reach_it():
+    registry = WorkerRegistry()
+    decode = _worker("decode-0", Role.DECODE)
+    decode.unreachable["prefill-0"] = "its old pool was gone"
+    registry.workers["decode-0"] = decode
+    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE,
+                                                    [], FINGERPRINT))
+    assert decode.unreachable == {}
+    assert registry.paired()
+
+
+def test_a_prefills_cache_events_say_which_keys_it_holds():
+    prefill = _worker("prefill-0")
+    WorkerRegistry.cache_changed(prefill, KvCacheEvents("prefill-0", stored=["a", "b"], evicted=[], cleared=False))
+    WorkerRegistry.cache_changed(prefill, KvCacheEvents("prefill-0", stored=["c"], evicted=["a"], cleared=False))
+    assert prefill.cached_keys == {"b", "c"}
+    WorkerRegistry.cache_changed(prefill, KvCacheEvents("prefill-0", stored=["d"], evicted=[], cleared=True))
+    assert prefill.cached_keys == {"d"}

@@ -293,7 +293,6 @@ class TokenRouter:
         metrics.watch_routed(worker)
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
-                decode.unreachable.pop(worker.worker_id, None)  # a new pool: the decode tries it afresh
                 self._send(decode, PoolAvailable(worker.worker_id, message.pool_handles))
         else:
             for prefill in self.registry.of_role(Role.PREFILL):
@@ -312,12 +311,8 @@ class TokenRouter:
 
     def _on_kv_cache_events(self, peer: Peer, message: KvCacheEvents) -> None:
         prefill = peer.worker
-        if prefill is None or prefill.role != Role.PREFILL or prefill.worker_id != message.worker_id:
-            return
-        if message.cleared:
-            prefill.cached_keys.clear()
-        prefill.cached_keys.difference_update(message.evicted)
-        prefill.cached_keys.update(message.stored)
+        if prefill is not None and prefill.role == Role.PREFILL and prefill.worker_id == message.worker_id:
+            self.registry.cache_changed(prefill, message)
 
     def _on_pool_unreachable(self, peer: Peer, message: PoolUnreachable) -> None:
         decode = peer.worker

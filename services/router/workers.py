@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
+from shared.messages import Heartbeat, KvCacheEvents, KvPoolHandle, ModelFingerprint, Register, Role
 
 
 @dataclass(eq=False)
@@ -64,7 +64,18 @@ class WorkerRegistry:
         worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
                         message.total_pages, message.pool_handles, message.fingerprint, free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
+        if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
+            for decode in self.of_role(Role.DECODE):
+                decode.unreachable.pop(worker.worker_id, None)
         return worker, old
+
+    @staticmethod
+    def cache_changed(prefill: Worker, message: KvCacheEvents) -> None:
+        """What the prefill's prefix cache holds now, by its own events."""
+        if message.cleared:
+            prefill.cached_keys.clear()
+        prefill.cached_keys.difference_update(message.evicted)
+        prefill.cached_keys.update(message.stored)
 
     def by_identity(self, identity: bytes) -> Worker | None:
         return next((w for w in self.workers.values() if w.identity == identity), None)
