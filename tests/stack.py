@@ -20,6 +20,12 @@ class ServiceStack(LocalStack):
             time.sleep(0.1)
         return time.monotonic() - started
 
+    def stop_drained(self) -> None:
+        """The end of a test's stack: every pool drained, then every service exits 0."""
+        self.assert_pools_drained()
+        codes = self.stop()
+        assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"
+
     def assert_pools_drained(self, timeout_s: float = 10.0) -> None:
         """Every page of every pool is free and unreserved (heartbeats report it within a second)."""
         deadline = time.monotonic() + timeout_s

@@ -37,9 +37,7 @@ def kv_dtype(request):
 def stack(checkpoint, tmp_path_factory, kv_dtype):
     with ServiceStack(tmp_path_factory.mktemp(f"kv-{kv_dtype}"), CACHE_DIR, PDSERVE_KV_DTYPE=kv_dtype) as services:
         yield services
-        services.assert_pools_drained()
-        codes = services.stop()
-        assert codes == {name: 0 for name in codes}, f"services did not exit cleanly: {codes}"
+        services.stop_drained()
 
 
 @pytest.fixture(scope="module")
