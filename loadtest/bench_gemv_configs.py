@@ -18,11 +18,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from loadtest.report import emit
 from loadtest.bench_gpu import copy_bandwidth_gbs
-from shared.model import gemv_triton
+from loadtest.report import emit
+from shared.kernels import gemv_triton
+from shared.kernels.triton_support import triton
 from shared.model.linear_choice import time_per_call_ms
-from shared.triton_support import triton
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -11,7 +11,7 @@ Each weight shape of a decode step is also read by cuBLAS and by the fastest Tri
 alone, timed as shared/model/linear_choice.py times them to choose.
 Decode steps run as the decode worker runs them: one CUDA graph replay per step
 (services/decode/cuda_graphs.py), with the Triton paged attention reading pages in place, its
-Triton kernels launched with programmatic dependent launch (shared/triton_support.py); some
+Triton kernels launched with programmatic dependent launch (shared/kernels/triton_support.py); some
 batches are timed again without it, with cuBLAS for every matmul and with the GEMV for every one.
 A step is timed alone (p50 of 100, the host's launch included, as a decode that waits for each
 step's tokens sees it) and ten at a time queued back to back (the device's time per step).
@@ -28,14 +28,15 @@ import torch.nn.functional as F
 
 from loadtest.percentiles import quantile
 from loadtest.report import emit
-from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
-from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
-from shared.messages import SamplingParams, StopParams
-from shared.model import gemv_triton, presets
+from services.decode.step_inputs import DecodingRequest, step_inputs
+from shared.control.messages import SamplingParams, StopParams
+from shared.kernels import gemv_triton
+from shared.kernels.triton_support import allow_pdl
+from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.model import presets
 from shared.model.linear_choice import LinearChooser, time_per_call_ms
 from shared.model.llama import PagedLlama
-from shared.triton_support import allow_pdl
 
 GIB = 1 << 30
 _QUEUED_STEPS = 10

@@ -6,7 +6,7 @@ For each kv.dtype (bfloat16, float8_e4m3, int8) in one run: the decode step as t
 runs it (one CUDA graph replay, p50 of 100) at --batch requests of --context tokens each, where
 reading the KV dominates, beside its floor (the weights plus the KV and scales it reads, at the
 copy bandwidth measured in the same run) and its ratio to the bfloat16 step; and the handoff's
-page copy (shared/kv_pool.py copy_pages_from, both pools on the GPU) of --handoff-tokens tokens:
+page copy (shared/kv/pool.py copy_pages_from, both pools on the GPU) of --handoff-tokens tokens:
 bytes moved, time, and both as fractions of bfloat16's. The issue's targets: a quantized step at
 most 0.65 times the bfloat16 step; handoff bytes and time halved.
 """
@@ -20,11 +20,11 @@ import torch
 from loadtest.bench_gpu import copy_bandwidth_gbs, cuda_time_ms, weight_bytes_per_step
 from loadtest.percentiles import quantile
 from loadtest.report import emit
-from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
-from shared import kv_quant
-from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for, token_bytes
-from shared.messages import SamplingParams, StopParams
+from services.decode.step_inputs import DecodingRequest, step_inputs
+from shared.control.messages import SamplingParams, StopParams
+from shared.kernels import kv_quant
+from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama
 

@@ -26,12 +26,12 @@ import time
 
 import torch
 
-from services.decode.handoff import KvPuller
-from services.supervisor import REPO
-from shared import wire
-from shared.kv_pool import allocate_local_pool, make_layout, pages_for, shard_regions
-from shared.kv_transfer.choice import HOST_KIND
-from shared.messages import DecodeTask, SamplingParams, StopParams
+from services.decode.kv_pull import KvPuller
+from services.stack.supervisor import REPO
+from shared.control import wire
+from shared.control.messages import DecodeTask, SamplingParams, StopParams
+from shared.kv.pool import allocate_local_pool, make_layout, pages_for, shard_regions
+from shared.kv.transfer.choice import HOST_KIND
 
 UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 SHAPES = {"embedded": dict(num_layers=30, page_size=16, num_kv_heads=3, head_dim=64, dtype="float32"),
@@ -39,10 +39,10 @@ SHAPES = {"embedded": dict(num_layers=30, page_size=16, num_kv_heads=3, head_dim
 
 _EXPORTER = textwrap.dedent("""
     import json, sys, torch
-    from shared import wire
-    from shared.kv_pool import make_layout
-    from shared.kv_transfer import export_pool
-    from shared.messages import PoolAvailable
+    from shared.control import wire
+    from shared.kv.pool import make_layout
+    from shared.kv.transfer import export_pool
+    from shared.control.messages import PoolAvailable
     shape, pages, device = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     layout = make_layout(num_pages=pages, **{**shape, "dtype": getattr(torch, shape["dtype"])})
     exported = export_pool(layout, "bench", device, "auto", cross_host=True)

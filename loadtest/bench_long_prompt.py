@@ -32,7 +32,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from pdserve.v1 import generation_pb2_grpc
 
 from loadtest import bench_gpu
 from loadtest.bench_gpu_stack import gpu_stack_settings
@@ -40,10 +39,11 @@ from loadtest.generate_client import StreamRecord, generate, generate_request
 from loadtest.percentiles import quantile
 from loadtest.report import emit
 from loadtest.workload import RequestSpec
+from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
-from shared import kv_quant
 from shared.config import KvConfig, RouterConfig
-from shared.kv_pool import decode_pages_needed, make_layout, token_bytes
+from shared.kernels import kv_quant
+from shared.kv.pool import decode_pages_needed, make_layout, token_bytes
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config, resolve_checkpoint
 

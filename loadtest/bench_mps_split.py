@@ -44,18 +44,18 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_gpu import cuda_time_ms, prefill_flops
+from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
 from loadtest.percentiles import quantile
 from loadtest.report import emit
-from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
-from services.decode.batch import DecodingRequest, step_inputs
 from services.decode.cuda_graphs import GraphedDecode
-from services.supervisor import Service, Supervisor
-from shared.device import on_stream, worker_stream
-from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
-from shared.messages import SamplingParams, StopParams
+from services.decode.step_inputs import DecodingRequest, step_inputs
+from services.stack.supervisor import Service, Supervisor
+from shared.control.messages import SamplingParams, StopParams
+from shared.kernels.device import on_stream, worker_stream
+from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
 from shared.model import presets
 from shared.model.llama import PagedLlama
-from shared.process import die_with_parent, pin_to_cores
+from shared.runtime.process import die_with_parent, pin_to_cores
 
 DEVICE = "cuda:0"
 PAGE_SIZE = 16

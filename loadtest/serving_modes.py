@@ -29,7 +29,7 @@ from pathlib import Path
 
 from loadtest.mps_daemon import MpsDaemon, find_mps_control
 from services.stack.local import LocalStack
-from services.supervisor import REPO
+from services.stack.supervisor import REPO
 from shared.config import env_name
 
 CACHE_SETTINGS = {"on": True, "off": False}   # --prefix-cache: prefill.prefix_cache

@@ -1,5 +1,5 @@
 """How evenly the router spread a workload over the workers: requests and prompt tokens per worker,
-read from the router's own counters (shared/metrics.py) before and after the workload.
+read from the router's own counters (shared/runtime/metrics.py) before and after the workload.
 
 - requests: pdserve:worker_routed_requests_total. A request moved to another prefill after its own
   failed before the first token counts on both prefills;

@@ -19,8 +19,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from shared.runtime_dir import UnsafePath, prepare_runtime_dir
-from shared.zmq_security import KeyPolicy
+from shared.control.curve import KeyPolicy
+from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir
 
 
 class ConfigError(ValueError):
@@ -67,7 +67,7 @@ class ModelConfig:
 @dataclass
 class RouterConfig:
     grpc_address: str = "127.0.0.1:50051"
-    # The OpenAI-compatible HTTP API (services/router/openai_api.py), with the same TLS and bearer
+    # The OpenAI-compatible HTTP API (services/router/api/openai_api.py), with the same TLS and bearer
     # token as gRPC.
     http_address: str = _http_address("127.0.0.1:8000")
     # The model's name in the OpenAI API: /v1/models lists it and requests must name it. Empty:
@@ -107,7 +107,7 @@ class RouterConfig:
     # text. 1 MiB is some 250K tokens, above the context of the models served.
     max_prompt_bytes: int = _positive(default=1024 * 1024)
     grace_period_s: float = field(default=5.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
-    # Required on a tcp:// zmq_address, unused on ipc:// (shared/zmq_security.py says why): the
+    # Required on a tcp:// zmq_address, unused on ipc:// (shared/control/curve.py says why): the
     # router's CURVE key pair, a zmq.auth secret-key certificate (router.key_secret), and the
     # folder of the workers' public-key certificates (*.key) it admits, read at start. Each
     # certificate's metadata names the role and worker ids its key may register as.
@@ -131,7 +131,7 @@ class RouterConfig:
 
 @dataclass
 class RoutingConfig:
-    """The router's choice of workers (services/router/routing.py states the costs)."""
+    """The router's choice of workers (services/router/control/routing.py states the costs)."""
     # A decode's cost is its requests in flight plus this times the share of its pages promised
     # away: 4 means a decode whose pool is all promised counts like one with four more requests.
     decode_kv_weight: float = field(default=4.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
@@ -151,7 +151,7 @@ class KvConfig:
     page_size: int = _positive(default=16)  # tokens per page
     prefill_pages: int = _positive(default=1024)
     decode_pages: int = _positive(default=2048)
-    # What the pages hold (shared/kv_quant.py): "bfloat16" keeps K and V as computed, unquantized, in
+    # What the pages hold (shared/kernels/kv_quant.py): "bfloat16" keeps K and V as computed, unquantized, in
     # the model's dtype (model.dtype, so float32 on the CPU); "float8_e4m3" and "int8" keep one byte
     # per value and a float32 scale per token and KV head: about half the bytes of bf16 pages, so
     # twice the tokens per pool and half the bytes per handoff. Prefills and decodes pair only with
@@ -162,7 +162,7 @@ class KvConfig:
     # not order on its own stream, as a NIXL read); below router.handoff_timeout_s, so the decode's
     # reason reaches the client rather than the router's stage timeout.
     transfer_timeout_s: float = _positive(default=30.0)
-    # How pages move from a prefill to a decode (shared/kv_transfer/choice.py): "shm" (host memory,
+    # How pages move from a prefill to a decode (shared/kv/transfer/choice.py): "shm" (host memory,
     # one host), "cuda_ipc" (GPU memory, one host), "nixl" (NIXL over UCX, between hosts or within
     # one; UCX's own variables, e.g. UCX_NET_DEVICES and UCX_TLS, pick its network), or "auto":
     # the host's own kind for decodes on the prefill's host, NIXL for the others, offered only when

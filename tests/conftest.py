@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Triton kernels run under the interpreter on a machine without CUDA. It must be chosen before
-# anything imports triton, and product modules (shared.kv_pool) import it.
+# anything imports triton, and product modules (shared.kv.pool) import it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

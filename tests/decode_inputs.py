@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.decode.batch import DecodingRequest, StepInputs, step_inputs
-from shared.kv_pool import PageAllocator, PagedKvPool, pages_for
-from shared.messages import SamplingParams, StopParams
+from services.decode.step_inputs import DecodingRequest, StepInputs, step_inputs
+from shared.control.messages import SamplingParams, StopParams
+from shared.kv.pool import PageAllocator, PagedKvPool, pages_for
 from shared.model.llama import PagedLlama
 
 PAGE_SIZE = 16

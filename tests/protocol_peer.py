@@ -1,4 +1,4 @@
-"""A test's own peer on the router's ZeroMQ socket, speaking the real wire protocol (shared/wire.py).
+"""A test's own peer on the router's ZeroMQ socket, speaking the real wire protocol (shared/control/wire.py).
 
 It plays a worker where a real one never misbehaves on purpose: another protocol version, a
 peer that forges messages about requests it was not given, a worker that holds a request the
@@ -12,9 +12,9 @@ import time
 import torch
 import zmq
 
-from shared import wire
-from shared.kv_pool import make_layout
-from shared.messages import PROTOCOL_VERSION, Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
+from shared.control import wire
+from shared.control.messages import PROTOCOL_VERSION, Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
+from shared.kv.pool import make_layout
 
 
 class ProtocolPeer:

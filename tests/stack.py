@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from services.stack.local import SERVICES, LocalStack, free_port
-from services.supervisor import REPO
+from services.stack.supervisor import REPO
 
 __all__ = ["REPO", "SERVICES", "ServiceStack", "free_port"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.decode.batch import DecodingRequest, StepInputBuilder
-from shared.messages import SamplingParams, StopParams
+from services.decode.step_inputs import DecodingRequest, StepInputBuilder
+from shared.control.messages import SamplingParams, StopParams
 
 
 def request(name: str, pages: list[int], kv_len: int, last_token: int) -> DecodingRequest:

@@ -11,7 +11,6 @@ import sys
 
 import grpc
 import pytest
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from loadtest import serving_metrics as metrics
@@ -22,6 +21,7 @@ from loadtest.percentiles import quantile
 from loadtest.serving_client import replay
 from loadtest.serving_modes import MODES, MpsSplit, Topology
 from loadtest.serving_workloads import mode_workloads
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.topology import plan_workers
 from shared.config import env_name, load_config
 from tests.stack import REPO, free_port
@@ -192,7 +192,7 @@ def test_gpu_topologies_all_plan_on_one_gpu_with_the_decodes_mapping_prefill_0()
 
 
 def router_page(routed: dict[tuple[str, str], tuple[int, int]]) -> str:
-    """A Prometheus page with the router's two counters, as shared/metrics.py declares them."""
+    """A Prometheus page with the router's two counters, as shared/runtime/metrics.py declares them."""
     registry = CollectorRegistry()
     requests = Counter(worker_balance.REQUESTS, "", ["worker_id", "role"], registry=registry)
     tokens = Counter(worker_balance.PROMPT_TOKENS, "", ["worker_id", "role"], registry=registry)

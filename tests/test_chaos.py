@@ -19,10 +19,10 @@ import time
 
 import grpc
 import pytest
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.local import SERVICES
-from services.supervisor import RestartPolicy
+from services.stack.supervisor import RestartPolicy
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
 from tests.test_faults import FAST_HEARTBEATS

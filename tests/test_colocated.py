@@ -22,17 +22,17 @@ import torch
 
 from services.colocated.notify import JointNotify
 from services.colocated.threads import run_together
-from shared import metrics
 from shared.config import parse_cores
-from shared.kv_pool import make_layout
-from shared.kv_transfer import export_pool
-from shared.kv_transfer.local_exports import SameProcessMapping
-from shared.kv_transfer.shm import ShmBackend
-from shared.messages import EXIT_REFUSED
-from shared.router_link import RegistrationRefused, WorkerLoad
+from shared.control.messages import EXIT_REFUSED
+from shared.control.router_link import RegistrationRefused, WorkerLoad
+from shared.kv.pool import make_layout
+from shared.kv.transfer import export_pool
+from shared.kv.transfer.local_exports import SameProcessMapping
+from shared.kv.transfer.shm import ShmBackend
+from shared.runtime import metrics
 from tests.conftest import CACHE_DIR
-from tests.stack import ServiceStack
 from tests.reference import assert_matches_reference, reference_greedy
+from tests.stack import ServiceStack
 from tests.test_e2e_generation import MAX_TOKENS, _cases, _generate, _prompt_ids, _request
 from tests.test_metrics import scrape, value
 
@@ -275,7 +275,6 @@ def test_colocated_on_gpu_matches_the_disaggregated_stack(tmp_path):
     """Both stacks on cuda:0 in float32 (a random-weight Llama, built from the same seed in every
     process), long prompts in chunks: the same greedy tokens, and transformers' within its ties."""
     from pdserve.v1 import generation_pb2
-
     from shared.model.presets import random_hf_model
     from shared.model.weight_share import weights_file
 

@@ -15,12 +15,29 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import msgpack
 import pytest
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from shared import wire
-from shared.messages import (EXIT_REFUSED, PROTOCOL_VERSION, Abort, DecodeTask, ErrorCode, Failed, FinishReason,
-                             KvPulled, KvReady, ModelFingerprint, MsgKind, PrefillTask, Refused, Registered, ReleaseKv,
-                             Role, TokenBatch, TokenOut)
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.control import wire
+from shared.control.messages import (
+    EXIT_REFUSED,
+    PROTOCOL_VERSION,
+    Abort,
+    DecodeTask,
+    ErrorCode,
+    Failed,
+    FinishReason,
+    KvPulled,
+    KvReady,
+    ModelFingerprint,
+    MsgKind,
+    PrefillTask,
+    Refused,
+    Registered,
+    ReleaseKv,
+    Role,
+    TokenBatch,
+    TokenOut,
+)
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_hf_config
 from tests.conftest import CACHE_DIR

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import Config, parse_cores
-from shared.messages import EXIT_REFUSED
+from shared.control.messages import EXIT_REFUSED
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNITS = sorted(p.name for p in UNIT_DIR.iterdir() if p.suffix in (".service", ".target"))

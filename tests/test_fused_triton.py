@@ -19,9 +19,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from shared import kv_quant
-from shared.model import fused_triton
-from shared.model.fused_triton import (
+from shared.kernels import fused_triton, kv_quant
+from shared.kernels.fused_triton import (
     add_rms_norm,
     rms_norm,
     rope_write_kv,
@@ -63,7 +62,7 @@ def ref_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, pages, offsets, nu
 
 def ref_qkv_write_quantized(qkv, positions, cos, sin, k_cache, v_cache, k_scale, v_scale, pages, offsets,
                             num_heads, num_kv_heads, head_dim):
-    """The same, quantized by shared/kv_quant.py (its rounded values cast as the kernel casts them)."""
+    """The same, quantized by shared/kernels/kv_quant.py (its rounded values cast as the kernel casts them)."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = ref_rope(q.view(-1, num_heads, head_dim), positions, cos, sin)
@@ -282,7 +281,7 @@ def test_imports_without_triton(monkeypatch):
     # The CPU code path imports this module where triton is not installed.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.delitem(sys.modules, "shared.triton_support")  # imported again, without triton
+    monkeypatch.delitem(sys.modules, "shared.kernels.triton_support")  # imported again, without triton
     spec = importlib.util.spec_from_file_location("fused_triton_no_triton", fused_triton.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from shared.model import gemv_triton
-from shared.model.gemv_triton import CONFIGS, MAX_ROWS, gemv
+from shared.kernels import gemv_triton
+from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, gemv
 from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,7 +157,7 @@ def test_imports_without_triton(monkeypatch):
     # The CPU code path imports this module where triton is not installed.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.delitem(sys.modules, "shared.triton_support")  # imported again, without triton
+    monkeypatch.delitem(sys.modules, "shared.kernels.triton_support")  # imported again, without triton
     spec = importlib.util.spec_from_file_location("gemv_triton_no_triton", gemv_triton.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -242,7 +242,7 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     """Graph warm-up makes one choice per (batch, weight shape); the graphed step with those
     choices, and an eager step forced onto the GEMV, give cuBLAS's logits."""
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout
+    from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs
@@ -293,7 +293,7 @@ def test_a_bucket_with_cublas_matmuls_keeps_its_faster_capture():
     """Where some matmul of a bucket chose cuBLAS, the bucket is captured both ways and timed; the
     faster capture is kept, and either gives the eager step's logits."""
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout
+    from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.kv_pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
 from tests.stack import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,8 +24,8 @@ EIGHT_B_KV = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloa
 
 def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
     """A prefill-side pool exported by CUDA IPC, pulled by another process into its own pool."""
-    from shared import wire
-    from shared.kv_transfer import export_pool
+    from shared.control import wire
+    from shared.kv.transfer import export_pool
 
     tokens, page_size = 32 * 1024, 16
     layout = make_layout(num_pages=pages_for(tokens, page_size) + 64, page_size=page_size, **EIGHT_B_KV)
@@ -40,9 +40,9 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
     child = textwrap.dedent(f"""
         import sys, time, torch
         from pathlib import Path
-        from shared import wire
-        from shared.kv_pool import allocate_local_pool
-        from shared.kv_transfer.cuda_ipc import CudaIpcBackend
+        from shared.control import wire
+        from shared.kv.pool import allocate_local_pool
+        from shared.kv.transfer.cuda_ipc import CudaIpcBackend
         handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool_handles[0]
         src = torch.tensor([int(p) for p in Path({str(tmp_path / 'pages')!r}).read_text().split(",")], device="cuda")
         mapped = CudaIpcBackend.map_pool(handle, torch.device("cuda:0"))
@@ -60,7 +60,7 @@ def test_cuda_ipc_handoff_of_32k_tokens_is_bit_identical(tmp_path):
 
 
 def _pool_message(handles):
-    from shared.messages import PoolAvailable
+    from shared.control.messages import PoolAvailable
 
     return PoolAvailable("prefill-test", handles)
 
@@ -70,8 +70,8 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     copies ran, then dates each after the stall, not at its launch. The third pull wraps the
     page-id staging buffer while the copies reading it still wait; unmapping the pool waits for the
     copies still reading it."""
-    from shared import wire
-    from shared.kv_transfer import export_pool
+    from shared.control import wire
+    from shared.kv.transfer import export_pool
 
     layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
     exported = export_pool(layout, "pull-test", "cuda:0")
@@ -83,10 +83,10 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     child = textwrap.dedent(f"""
         import time, torch
         from pathlib import Path
-        from services.decode.handoff import KvPuller
-        from shared import wire
-        from shared.kv_pool import allocate_local_pool, make_layout
-        from shared.messages import DecodeTask, SamplingParams, StopParams
+        from services.decode.kv_pull import KvPuller
+        from shared.control import wire
+        from shared.kv.pool import allocate_local_pool, make_layout
+        from shared.control.messages import DecodeTask, SamplingParams, StopParams
         handle = wire.decode(Path({str(tmp_path / 'handle')!r}).read_bytes()).pool_handles[0]
         shape = handle.layout
         local, _ = allocate_local_pool(make_layout(shape.num_layers, 257, shape.page_size, shape.num_kv_heads,
@@ -124,7 +124,7 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
 
 
 def test_decode_stream_has_the_highest_priority():
-    from shared.device import worker_stream
+    from shared.kernels.device import worker_stream
 
     high = worker_stream(torch.device("cuda:0"), high_priority=True)
     normal = worker_stream(torch.device("cuda:0"), high_priority=False)
@@ -152,10 +152,10 @@ def test_graphed_decode_equals_eager():
 def test_programmatic_launch_leaves_the_step_bit_identical():
     """PDL lets a kernel start while the one before it drains; every kernel waits before it touches
     memory, so a graphed bf16 step gives the same bits with and without it."""
-    from services.decode.batch import DecodingRequest, step_inputs
     from services.decode.cuda_graphs import GraphedDecode
-    from shared import triton_support
-    from shared.messages import SamplingParams, StopParams
+    from services.decode.step_inputs import DecodingRequest, step_inputs
+    from shared.control.messages import SamplingParams, StopParams
+    from shared.kernels import triton_support
     from shared.model.llama import load_paged_llama
 
     device = torch.device("cuda:0")
@@ -190,11 +190,10 @@ def test_stack_on_gpu_matches_transformers(tmp_path):
     """The whole stack on the GPU in float32 (a random-weight Llama, built from the same seed in
     every process) against transformers' generate on the same weights."""
     from pdserve.v1 import generation_pb2
-
     from shared.model.presets import random_hf_model
     from tests.conftest import CACHE_DIR
-    from tests.stack import ServiceStack
     from tests.reference import assert_matches_reference, reference_greedy
+    from tests.stack import ServiceStack
 
     model_path = "random:llama-tiny"
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
@@ -262,11 +261,10 @@ def test_decode_maps_the_prefill_weights(tmp_path):
     import signal
 
     from pdserve.v1 import generation_pb2
-
     from shared.model.presets import random_hf_model
     from tests.conftest import CACHE_DIR
-    from tests.stack import ServiceStack
     from tests.reference import assert_matches_reference, reference_greedy
+    from tests.stack import ServiceStack
 
     model_path = "random:llama-tiny"
     reference = random_hf_model(model_path, torch.float32, "cuda:0")
@@ -288,8 +286,8 @@ def test_decode_maps_the_prefill_weights(tmp_path):
 _PEER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from shared import wire
-    from shared.kv_transfer.cuda_ipc import CudaIpcBackend
+    from shared.control import wire
+    from shared.kv.transfer.cuda_ipc import CudaIpcBackend
     mapped = CudaIpcBackend.map_pool(wire.decode(Path(sys.argv[1]).read_bytes()).pool_handles[0], torch.device("cuda:0"))
     checksum = lambda: mapped.pool.kv.view(torch.int16).double().sum().item()
     print(checksum(), flush=True)
@@ -304,8 +302,8 @@ def _peer(handle_file):
 
 
 def _exported_pool(tmp_path):
-    from shared import wire
-    from shared.kv_transfer import export_pool
+    from shared.control import wire
+    from shared.kv.transfer import export_pool
 
     layout = make_layout(num_pages=512, page_size=16, **EIGHT_B_KV)  # 1 GiB
     exported = export_pool(layout, "lifetime", "cuda:0")
@@ -359,12 +357,12 @@ def test_dead_peers_leak_no_device_memory(tmp_path):
 _PULL_THROUGH_PEER_ACCESS = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from services.decode.handoff import HandoffError, KvPuller
-    from shared import wire
-    from shared.device import select_device
-    from shared.kv_pool import allocate_local_pool, make_layout
-    from shared.kv_transfer import cuda_ipc
-    from shared.messages import DecodeTask, SamplingParams, StopParams
+    from services.decode.kv_pull import HandoffError, KvPuller
+    from shared.control import wire
+    from shared.kernels.device import select_device
+    from shared.kv.pool import allocate_local_pool, make_layout
+    from shared.kv.transfer import cuda_ipc
+    from shared.control.messages import DecodeTask, SamplingParams, StopParams
 
     handle_file, device, other = sys.argv[1], select_device(sys.argv[2]), int(sys.argv[3])  # as a worker starts
     handle = wire.decode(Path(handle_file).read_bytes()).pool_handles[0]
@@ -397,8 +395,8 @@ _PULL_THROUGH_PEER_ACCESS = textwrap.dedent("""
 def _pull_in_a_child(tmp_path, device: str, pretend_other: int) -> tuple[float, float]:
     """Pages 100-227 of a pool exported here on cuda:0, pulled by a decode process on `device`:
     the checksum it saw, and ours."""
-    from shared import wire
-    from shared.kv_transfer import export_pool
+    from shared.control import wire
+    from shared.kv.transfer import export_pool
 
     layout = make_layout(num_pages=256, page_size=16, **EIGHT_B_KV)
     exported = export_pool(layout, "placement", "cuda:0")
@@ -429,9 +427,9 @@ def test_a_decode_on_another_gpu_pulls_over_peer_access(tmp_path):
 
 
 def test_the_exporters_gpu_is_found_by_uuid():
-    from shared.device import device_uuid
-    from shared.kv_transfer import TransferError
-    from shared.kv_transfer.cuda_ipc import device_index_of
+    from shared.kernels.device import device_uuid
+    from shared.kv.transfer import TransferError
+    from shared.kv.transfer.cuda_ipc import device_index_of
 
     assert device_index_of(device_uuid(torch.device("cuda:0"))) == 0
     with pytest.raises(TransferError, match="is not visible to this process"):
@@ -440,7 +438,7 @@ def test_the_exporters_gpu_is_found_by_uuid():
 
 def test_a_worker_on_a_gpu_other_than_the_first_runs_there():
     """Everything the worker queues without naming a device goes to its own (select_device)."""
-    from shared.device import on_stream, select_device, worker_stream
+    from shared.kernels.device import on_stream, select_device, worker_stream
 
     device = select_device(f"cuda:{torch.cuda.device_count() - 1}")
     assert torch.cuda.current_device() == device.index
@@ -462,7 +460,6 @@ def test_many_workers_of_the_8b_shape_on_one_gpu(tmp_path, prefill, decode):
     import signal
 
     from pdserve.v1 import generation_pb2
-
     from tests.conftest import CACHE_DIR
     from tests.stack import ServiceStack
 

@@ -1,4 +1,4 @@
-"""shared/gpu_telemetry.py: NVML's readings as gauges (against a stand-in for NVML, which cannot run
+"""shared/worker/gpu_telemetry.py: NVML's readings as gauges (against a stand-in for NVML, which cannot run
 here), nothing at all on the CPU, and the series on a real GPU (-m gpu)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from shared import metrics
-from shared.gpu_telemetry import THROTTLE_REASONS, GpuTelemetry, watch_gpu
+from shared.runtime import metrics
+from shared.worker.gpu_telemetry import THROTTLE_REASONS, GpuTelemetry, watch_gpu
 
 GIB = 1 << 30
 HANDLE = object()  # NVML's handle of the device, opaque to the telemetry

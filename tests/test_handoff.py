@@ -1,4 +1,4 @@
-"""services/decode/handoff.py on the CPU: a decode's pull from a prefill's shared-memory pool.
+"""services/decode/kv_pull.py on the CPU: a decode's pull from a prefill's shared-memory pool.
 The GPU's asynchronous copy and its dating are in tests/test_gpu.py."""
 
 import time
@@ -7,11 +7,11 @@ import uuid
 import pytest
 import torch
 
-from services.decode.handoff import HandoffError, KvPuller
-from shared import wire
-from shared.kv_pool import allocate_local_pool, make_layout
-from shared.kv_transfer import export_pool
-from shared.messages import DecodeTask, SamplingParams, StopParams
+from services.decode.kv_pull import HandoffError, KvPuller
+from shared.control import wire
+from shared.control.messages import DecodeTask, SamplingParams, StopParams
+from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.transfer import export_pool
 
 PAGE_SIZE = 4
 SCRATCH = 6  # the local pool's last page; pulls use pages 0-5

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
-from shared.kv_copy_triton import copy_pages  # noqa: E402
-from shared.kv_pool import allocate_local_pool, make_layout  # noqa: E402
+from shared.kernels.kv_copy_triton import copy_pages  # noqa: E402
+from shared.kv.pool import allocate_local_pool, make_layout  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,14 +17,14 @@ import time
 import grpc
 import pytest
 import torch
-from pdserve.v1 import generation_pb2
 
-from services.decode.handoff import HandoffError, KvPuller
-from shared import wire
-from shared.kv_pool import allocate_local_pool, make_layout
-from shared.kv_transfer import TransferState
-from shared.kv_transfer.nixl_agent import nixl_module
-from shared.messages import DecodeTask, KvPoolHandle, SamplingParams, StopParams
+from pdserve.v1 import generation_pb2
+from services.decode.kv_pull import HandoffError, KvPuller
+from shared.control import wire
+from shared.control.messages import DecodeTask, KvPoolHandle, SamplingParams, StopParams
+from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.transfer import TransferState
+from shared.kv.transfer.nixl_agent import nixl_module
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import REPO, ServiceStack
@@ -43,10 +43,10 @@ except RuntimeError as exc:
 # frame on stdout, and the process serves reads until stdin closes.
 _EXPORTER = textwrap.dedent("""
     import sys, torch
-    from shared import wire
-    from shared.kv_pool import make_layout
-    from shared.kv_transfer import export_pool
-    from shared.messages import PoolAvailable
+    from shared.control import wire
+    from shared.kv.pool import make_layout
+    from shared.kv.transfer import export_pool
+    from shared.control.messages import PoolAvailable
     spec = dict(num_layers=3, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     exported = export_pool(make_layout(num_pages=12, **spec), "nixl-test", sys.argv[2], "nixl")
     torch.manual_seed(int(sys.argv[1]))

@@ -1,4 +1,4 @@
-"""shared/kv_pool.py and shared/kv_transfer/shm.py: shard layout, page allocation, page copies, and a pool
+"""shared/kv/pool.py and shared/kv/transfer/shm.py: shard layout, page allocation, page copies, and a pool
 shared with a real second process through POSIX shared memory."""
 
 import os
@@ -10,13 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.kv_pool import (
-    SHARD_ALIGN_BYTES, PageAllocator, PoolExhausted, allocate_local_pool, decode_pages_needed,
-    layout_bytes, make_layout, pages_for,
+from shared.control.messages import KvPoolHandle
+from shared.kv.pool import (
+    SHARD_ALIGN_BYTES,
+    PageAllocator,
+    PoolExhausted,
+    allocate_local_pool,
+    decode_pages_needed,
+    layout_bytes,
+    make_layout,
+    pages_for,
 )
-from shared.kv_transfer import TransferError, backend_for
-from shared.kv_transfer.shm import SharedMemoryExport
-from shared.messages import KvPoolHandle
+from shared.kv.transfer import TransferError, backend_for
+from shared.kv.transfer.shm import SharedMemoryExport
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,8 +176,8 @@ def test_copy_pages_from_copies_exactly_the_listed_pages(kind, exported):
 
 CHILD = """
 import sys, torch
-from shared.kv_transfer.shm import SharedMemoryMapping
-from shared.messages import KvLayout, KvPoolHandle
+from shared.kv.transfer.shm import SharedMemoryMapping
+from shared.control.messages import KvLayout, KvPoolHandle
 name, close, *fields = sys.argv[1:]
 layers, pages, page_size, heads, head_dim, dtype, stride = fields
 layout = KvLayout(int(layers), int(pages), int(page_size), int(heads), int(head_dim), dtype, int(stride))

@@ -1,4 +1,4 @@
-"""Quantized KV pages (shared/kv_quant.py): the round trip, the pool's scale shards and their copies,
+"""Quantized KV pages (shared/kernels/kv_quant.py): the round trip, the pool's scale shards and their copies,
 kv.dtype in the config, and the fingerprint that keeps workers of different kv.dtype apart."""
 
 from __future__ import annotations
@@ -9,15 +9,20 @@ import uuid
 import pytest
 import torch
 
-from services.router.registration import RegistrationPolicy
-from services.router.workers import WorkerRegistry
-from shared import kv_quant
+from services.router.control.registration import RegistrationPolicy
+from services.router.control.worker_records import WorkerRegistry
 from shared.config import ConfigError, load_config
-from shared.kv_pool import (
-    SHARD_ALIGN_BYTES, allocate_local_pool, layout_bytes, make_layout, scale_stride_bytes, shard_regions,
+from shared.control.messages import PROTOCOL_VERSION, KvPoolHandle, ModelFingerprint, Register, Role
+from shared.kernels import kv_quant
+from shared.kv.pool import (
+    SHARD_ALIGN_BYTES,
+    allocate_local_pool,
+    layout_bytes,
+    make_layout,
+    scale_stride_bytes,
+    shard_regions,
 )
-from shared.kv_transfer.shm import SharedMemoryExport
-from shared.messages import PROTOCOL_VERSION, KvPoolHandle, ModelFingerprint, Register, Role
+from shared.kv.transfer.shm import SharedMemoryExport
 from shared.model import fingerprint
 
 FORMATS = [torch.int8, torch.float8_e4m3fn]

@@ -1,5 +1,5 @@
-"""shared/kv_transfer through the fake backend: a transfer's states, its failure, its timeout, and
-unmapping, at the puller (services/decode/handoff.py) and in a real DecodeWorker on the CPU.
+"""shared/kv/transfer through the fake backend: a transfer's states, its failure, its timeout, and
+unmapping, at the puller (services/decode/kv_pull.py) and in a real DecodeWorker on the CPU.
 The shm backend's pulls are in tests/test_handoff.py, the cuda_ipc backend's in tests/test_gpu.py."""
 
 from __future__ import annotations
@@ -11,14 +11,23 @@ import uuid
 import pytest
 import torch
 
-from services.decode.handoff import HandoffError, KvPuller
-from shared import wire
-from shared.kv_pool import allocate_local_pool, make_layout
-from shared.kv_transfer import TransferState
-from shared.kv_transfer.fake import FakeExport, Script
-from shared.messages import (
-    Abort, DecodeTask, ErrorCode, Failed, KvPoolHandle, KvPulled, PoolAvailable, SamplingParams, StopParams, TokenBatch,
+from services.decode.kv_pull import HandoffError, KvPuller
+from shared.control import wire
+from shared.control.messages import (
+    Abort,
+    DecodeTask,
+    ErrorCode,
+    Failed,
+    KvPoolHandle,
+    KvPulled,
+    PoolAvailable,
+    SamplingParams,
+    StopParams,
+    TokenBatch,
 )
+from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.transfer import TransferState
+from shared.kv.transfer.fake import FakeExport, Script
 
 PAGE_SIZE = 4
 SPEC = dict(num_layers=2, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -187,8 +196,8 @@ class SentMessages:
 def decode(tmp_path):
     from services.decode.worker import DecodeWorker
     from shared.config import load_config
-    from shared.process import StopSignals, SystemdNotify
-    from shared.worker_main import Worker, load_model
+    from shared.runtime.process import StopSignals, SystemdNotify
+    from shared.worker.main import Worker, load_model
 
     config = load_config(None, {"PDSERVE_MODEL_PATH": "random:llama-tiny", "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path),
                                 "PDSERVE_DECODE_METRICS_ADDRESS": "", "PDSERVE_KV_PAGE_SIZE": str(PAGE_SIZE),
@@ -256,7 +265,7 @@ def test_an_abort_during_the_transfer_ends_it_and_frees_the_pages(decode):
 
 
 def test_auto_offers_nixl_beside_the_hosts_kind_only_where_decodes_may_be_elsewhere():
-    from shared.kv_transfer.choice import offered_kinds
+    from shared.kv.transfer.choice import offered_kinds
 
     assert offered_kinds("auto", "cpu", cross_host=False) == ["shm"]
     assert offered_kinds("auto", "cuda", cross_host=True) == ["cuda_ipc", "nixl"]

@@ -112,7 +112,7 @@ def test_notify_never_blocks_a_service_whose_notifications_nobody_reads(tmp_path
     """A full notification queue must not hang the caller: the notification is dropped."""
     import socket as sockets
 
-    from shared.process import SystemdNotify
+    from shared.runtime.process import SystemdNotify
 
     listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
     listener.bind(str(tmp_path / "notify.sock"))

@@ -7,14 +7,14 @@ import urllib.request
 
 import grpc
 import pytest
-from pdserve.v1 import generation_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.workers import Worker
-from shared import metrics
+from pdserve.v1 import generation_pb2
+from services.router.control.worker_records import Worker
 from shared.config import ConfigError, load_config
-from shared.messages import FinishReason, ModelFingerprint, Role
+from shared.control.messages import FinishReason, ModelFingerprint, Role
+from shared.runtime import metrics
 
 GOOD_REQUESTS = 3
 MAX_TOKENS = 4

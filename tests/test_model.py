@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import kv_quant
-from shared.kv_pool import allocate_local_pool, make_layout, pages_for
+from shared.kernels import kv_quant
+from shared.kv.pool import allocate_local_pool, make_layout, pages_for
 from shared.model.llama import load_paged_llama
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Les fleurs du jardin sont très belles et"]

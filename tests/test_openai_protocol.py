@@ -8,11 +8,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from services.router import openai_errors
-from services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from services.router.request import RequestError
+from services.router.api import openai_errors
+from services.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.router.control.request import RequestError
 from services.router.validation import ChatMessage, GenerateInput, InvalidRequest
-from shared.messages import ErrorCode
+from shared.control.messages import ErrorCode
 
 
 def test_a_chat_body_becomes_grpcs_messages():

@@ -1,5 +1,5 @@
 """paged_decode_attention against SDPA on the gathered, contiguous K/V; quantized caches against
-SDPA on the same caches dequantized by shared/kv_quant.py, and the CPU path's own dequantization.
+SDPA on the same caches dequantized by shared/kernels/kv_quant.py, and the CPU path's own dequantization.
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
 cases run compiled on the GPU, plus bf16 cases at serving size.
@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from shared import kv_quant  # noqa: E402
+from shared.kernels import kv_quant  # noqa: E402
+from shared.kernels.paged_attention_triton import _choose_num_splits, paged_decode_attention  # noqa: E402
 from shared.model import attention  # noqa: E402
-from shared.model.paged_attention_triton import _choose_num_splits, paged_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,8 +10,8 @@ import pytest
 from services.prefill import cache_events
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import PrefixCache
-from shared.kv_pool import PoolExhausted
-from shared.prefix_hash import page_keys
+from shared.kv.page_keys import page_keys
+from shared.kv.pool import PoolExhausted
 
 PAGE = 4
 

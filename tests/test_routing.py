@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import REPO, ServiceStack
@@ -121,7 +121,7 @@ def test_a_prefill_whose_pool_the_decode_cannot_map_gets_no_request(checkpoint, 
     """A prefill the decode cannot pull from (here a peer announcing a segment that does not exist,
     idle and roomy, so the cost alone would pick it): the decode says PoolUnreachable and the
     router routes every request to the prefill it can pull from."""
-    from shared.messages import PrefillTask, Registered, Role
+    from shared.control.messages import PrefillTask, Registered, Role
     from tests.protocol_peer import ProtocolPeer
     from tests.test_control_plane import _fingerprint
 

@@ -1,14 +1,14 @@
-"""The routing policy's costs (services/router/routing.py) on the router's own worker records."""
+"""The routing policy's costs (services/router/control/routing.py) on the router's own worker records."""
 
 from __future__ import annotations
 
-from services.router.request import InflightRequest
-from services.router.routing import RoutingPolicy
+from services.router.control.request import InflightRequest
+from services.router.control.routing import RoutingPolicy
+from services.router.control.worker_records import Worker, WorkerRegistry
 from services.router.validation import Job
-from services.router.workers import Worker, WorkerRegistry
 from shared.config import RoutingConfig
-from shared.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
-from shared.prefix_hash import page_keys
+from shared.control.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
+from shared.kv.page_keys import page_keys
 
 PAGE = 16
 FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")

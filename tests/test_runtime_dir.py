@@ -1,4 +1,4 @@
-"""shared/runtime_dir.py: a runtime folder that another user owns or may write into stops every
+"""shared/runtime/runtime_dir.py: a runtime folder that another user owns or may write into stops every
 service at start, and no file is written into it through a planted symlink.
 
 Tests run as root, so "another user" is a folder chowned to nobody."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.model.weight_share import weights_file
-from shared.runtime_dir import UnsafePath, prepare_runtime_dir, write_private_file
+from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir, write_private_file
 from tests.stack import REPO
 
 NOBODY = 65534

@@ -1,9 +1,9 @@
-"""shared/sampling.py: greedy and seeded sampling, top-k/top-p, the distribution, and FinishCheck."""
+"""shared/model/sampling.py: greedy and seeded sampling, top-k/top-p, the distribution, and FinishCheck."""
 
 import torch
 
-from shared.messages import FinishReason, SamplingParams, StopParams
-from shared.sampling import FinishCheck, sample
+from shared.control.messages import FinishReason, SamplingParams, StopParams
+from shared.model.sampling import FinishCheck, sample
 
 VOCAB = 50
 

@@ -28,12 +28,20 @@ import zmq.asyncio
 import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pdserve.v1 import generation_pb2
 
-from shared import wire
+from pdserve.v1 import generation_pb2
 from shared.config import ConfigError, load_config
-from shared.messages import EXIT_REFUSED, PROTOCOL_VERSION, Heartbeat, ModelFingerprint, Register, Reregister, Role
-from shared.zmq_security import KeyPolicy, secure_server
+from shared.control import wire
+from shared.control.curve import KeyPolicy, secure_server
+from shared.control.messages import (
+    EXIT_REFUSED,
+    PROTOCOL_VERSION,
+    Heartbeat,
+    ModelFingerprint,
+    Register,
+    Reregister,
+    Role,
+)
 from tests.stack import REPO, SERVICES, ServiceStack, free_port
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")

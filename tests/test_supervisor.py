@@ -1,4 +1,4 @@
-"""The process supervisor (services/supervisor.py): first on tiny real children, then `make run`'s
+"""The process supervisor (services/stack/supervisor.py): first on tiny real children, then `make run`'s
 stack with each of its services killed in turn."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pdserve.v1 import generation_pb2
 
-from services.supervisor import Backoff, RestartPolicy, Service, Supervisor
-from shared.messages import EXIT_REFUSED
+from pdserve.v1 import generation_pb2
+from services.stack.supervisor import Backoff, RestartPolicy, Service, Supervisor
+from shared.control.messages import EXIT_REFUSED
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
 from tests.test_faults import FAST_HEARTBEATS

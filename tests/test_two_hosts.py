@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from services.supervisor import Service, Supervisor
-from shared.kv_transfer.nixl_agent import nixl_module
+from services.stack.supervisor import Service, Supervisor
+from shared.kv.transfer.nixl_agent import nixl_module
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import REPO

@@ -4,9 +4,9 @@ defaults of the unset fields are applied."""
 import math
 
 import pytest
-from pdserve.v1 import generation_pb2 as pb
 
-from services.router.generation import generate_input
+from pdserve.v1 import generation_pb2 as pb
+from services.router.api.generation import generate_input
 from services.router.validation import GenerateInput, InvalidRequest, ModelLimits, build_job, check_request_shape
 from shared.config import RouterConfig
 

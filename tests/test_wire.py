@@ -1,4 +1,4 @@
-"""shared/wire.py: every message survives a round trip, and every malformed frame is a WireError."""
+"""shared/control/wire.py: every message survives a round trip, and every malformed frame is a WireError."""
 
 import ast
 import subprocess
@@ -8,8 +8,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from shared import messages as m
-from shared import wire
+from shared.control import messages as m
+from shared.control import wire
 
 LAYOUT = m.KvLayout(num_layers=30, num_pages=1024, page_size=16, num_kv_heads=3, head_dim=64,
                     dtype="bfloat16", shard_stride_bytes=3_145_728)
@@ -201,10 +201,10 @@ def test_wire_does_not_import_pickle():
             imported.add(node.module.split(".")[0])
     assert not imported & {"pickle", "cPickle", "cloudpickle", "dill", "_pickle"}
     # Nor anything it imports, transitively: checked in a fresh interpreter.
-    code = ("import sys, shared.wire; "
+    code = ("import sys, shared.control.wire; "
             "bad = sorted(n for n in sys.modules if 'pickle' in n or n == 'dill'); "
             "assert not bad, bad")
-    repo = Path(wire.__file__).resolve().parents[1]
+    repo = Path(wire.__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 

@@ -3,9 +3,9 @@
 The baseline the disaggregated stack is measured against. The router sees the two workers as
 always, each registered through its own RouterLink, but they share this process and one copy of
 the weights, and run their loops in two threads: the decode's kernels on the device's
-highest-priority stream, the prefill's on a normal one (shared/device.py; the current stream is
+highest-priority stream, the prefill's on a normal one (shared/kernels/device.py; the current stream is
 per thread), long prompts in chunks of prefill.chunk_tokens. The KV handoff still copies each
-request's pages from the prefill's pool into the decode's; shared/kv_transfer/local_exports.py maps a pool of
+request's pages from the prefill's pool into the decode's; shared/kv/transfer/local_exports.py maps a pool of
 this process without IPC. The process serves one metrics endpoint, at decode.metrics_address.
 """
 
@@ -21,11 +21,11 @@ from services.colocated.notify import JointNotify
 from services.colocated.threads import run_together
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
-from shared import metrics
 from shared.config import parse_service_config
-from shared.log import configure_logging
-from shared.process import SystemdNotify, die_with_parent, pin_to_cores, stop_signals
-from shared.worker_main import Worker, exit_on_error, load_model
+from shared.runtime import metrics
+from shared.runtime.log import configure_logging
+from shared.runtime.process import SystemdNotify, die_with_parent, pin_to_cores, stop_signals
+from shared.worker.main import Worker, exit_on_error, load_model
 
 log = structlog.get_logger()
 

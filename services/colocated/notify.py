@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from shared.process import SystemdNotify
+from shared.runtime.process import SystemdNotify
 
 
 class JointNotify:

@@ -11,7 +11,7 @@ from typing import Callable
 
 import structlog
 
-from shared.dispatch import FatalError
+from shared.control.dispatch import FatalError
 
 log = structlog.get_logger()
 

@@ -1,9 +1,9 @@
 """python -m services.decode: the decode worker (KV pull, continuous batching, sampling)."""
 
 from services.decode.worker import DecodeWorker
-from shared import metrics
-from shared.messages import Role
-from shared.worker_main import exit_on_error, start_worker
+from shared.control.messages import Role
+from shared.runtime import metrics
+from shared.worker.main import exit_on_error, start_worker
 
 
 def main() -> None:

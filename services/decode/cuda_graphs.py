@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.decode.batch import StepInputs
-from shared.kv_pool import PagedKvPool
+from services.decode.step_inputs import StepInputs
+from shared.kv.pool import PagedKvPool
 from shared.model.llama import PagedLlama
 
 log = structlog.get_logger()

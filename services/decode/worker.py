@@ -3,7 +3,7 @@
 Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
   (they were reserved by the router before the prefill started, so they are free)
-  -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/handoff.py)
+  -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/kv_pull.py)
   -> a copy on the decode's own stream lets the request join the running batch at the next step
   boundary (on a GPU that step waits for the copy on the stream, not on the host); any other
   transfer keeps it aside until DONE, and one that fails frees its pages and sends Failed
@@ -20,23 +20,12 @@ from collections import deque
 
 import structlog
 
-from services.decode.batch import DecodingRequest, StepInputBuilder
 from services.decode.cuda_graphs import GraphedDecode
-from services.decode.handoff import HandoffError, KvPuller
-from shared import kv_quant, metrics
+from services.decode.kv_pull import HandoffError, KvPuller
+from services.decode.step_inputs import DecodingRequest, StepInputBuilder
 from shared.config import Config
-from shared.device import on_stream, worker_stream
-from shared.dispatch import FatalError
-from shared.kv_pool import (
-    PageAllocator,
-    PoolExhausted,
-    allocate_local_pool,
-    decode_pages_needed,
-    make_layout,
-    pages_for,
-)
-from shared.kv_transfer import TransferState
-from shared.messages import (
+from shared.control.dispatch import FatalError
+from shared.control.messages import (
     Abort,
     DecodeTask,
     ErrorCode,
@@ -49,10 +38,22 @@ from shared.messages import (
     TokenBatch,
     TokenOut,
 )
-from shared.router_link import WorkerLoad
-from shared.sampling import sample
-from shared.worker_loop import WorkerLoop
-from shared.worker_main import Worker
+from shared.control.router_link import WorkerLoad
+from shared.kernels import kv_quant
+from shared.kernels.device import on_stream, worker_stream
+from shared.kv.pool import (
+    PageAllocator,
+    PoolExhausted,
+    allocate_local_pool,
+    decode_pages_needed,
+    make_layout,
+    pages_for,
+)
+from shared.kv.transfer import TransferState
+from shared.model.sampling import sample
+from shared.runtime import metrics
+from shared.worker.loop import WorkerLoop
+from shared.worker.main import Worker
 
 log = structlog.get_logger()
 

@@ -1,9 +1,9 @@
 """python -m services.prefill: the prefill worker (prompt forward pass, first token, KV export)."""
 
 from services.prefill.worker import PrefillWorker
-from shared import metrics
-from shared.messages import Role
-from shared.worker_main import exit_on_error, start_worker
+from shared.control.messages import Role
+from shared.runtime import metrics
+from shared.worker.main import exit_on_error, start_worker
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import math
 import time
 
 from services.prefill.prefix_cache import PrefixCache
-from shared.messages import KvCacheEvents
-from shared.router_link import RouterLink
+from shared.control.messages import KvCacheEvents
+from shared.control.router_link import RouterLink
 
 FLUSH_INTERVAL_S = 0.01
 

@@ -1,6 +1,6 @@
 """The prefill's prefix cache: the KV pages of prompts already computed, kept for the prompts after.
 
-A full page is cached once its prompt has been computed, under its shared/prefix_hash key (which
+A full page is cached once its prompt has been computed, under its shared/kv/page_keys key (which
 covers every token up to the page's end), so a new prompt that starts with the same tokens reads
 those pages instead of computing them. A cached page is read-only for as long as it is cached.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.kv_pool import PageAllocator, PoolExhausted, pages_for
+from shared.kv.pool import PageAllocator, PoolExhausted, pages_for
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Lifecycle of a request here:
      goes to the router -> the pages stay held until the router sends ReleaseKv (the decode has
      copied them) or Abort (the request is gone); then cached pages stay in the cache, the others
      are freed.
-The pool is exported once at start (shared/kv_transfer), by the kinds kv.transfer calls for;
+The pool is exported once at start (shared/kv/transfer), by the kinds kv.transfer calls for;
 only page ids leave this process (a decode on another host reads the pages itself, by NIXL). The
 cache's changes go to the router in batches (services/prefill/cache_events.py). With
 prefill.prefix_cache off, no key is computed, so nothing is cached and every prompt runs whole.
@@ -24,19 +24,21 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from shared import kv_quant, metrics, wire
-from shared.device import on_stream, worker_stream
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
-from shared.kv_pool import make_layout, pages_for
-from shared.kv_transfer import export_pool
-from shared.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
+from shared.control import wire
+from shared.control.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
+from shared.control.router_link import WorkerLoad
+from shared.kernels import kv_quant
+from shared.kernels.device import on_stream, worker_stream
+from shared.kv.page_keys import page_keys
+from shared.kv.pool import make_layout, pages_for
+from shared.kv.transfer import export_pool
+from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
-from shared.prefix_hash import page_keys
-from shared.router_link import WorkerLoad
-from shared.sampling import sample
-from shared.worker_loop import WorkerLoop
-from shared.worker_main import Worker
+from shared.runtime import metrics
+from shared.worker.loop import WorkerLoop
+from shared.worker.main import Worker
 
 log = structlog.get_logger()
 

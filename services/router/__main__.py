@@ -4,8 +4,8 @@ import uvloop
 
 from services.router.server import serve
 from shared.config import parse_service_config
-from shared.log import configure_logging
-from shared.process import die_with_parent
+from shared.runtime.log import configure_logging
+from shared.runtime.process import die_with_parent
 
 
 def main() -> None:

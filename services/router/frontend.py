@@ -8,7 +8,7 @@ to the token router, turn its tokens into chunks of text, and let it go.
 
 The fronts (generation.py for gRPC, openai_api.py for HTTP) only translate: their request into a
 GenerateInput, a Chunk into their response, an error into their status. The outcome is counted
-here, once per request (shared/metrics.py RequestTimer), so a dashboard sees both fronts alike.
+here, once per request (shared/runtime/metrics.py RequestTimer), so a dashboard sees both fronts alike.
 """
 
 from __future__ import annotations
@@ -20,13 +20,19 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.router.control.request import ErrorEvent, InflightRequest, RequestError, StageTimings
+from services.router.control.token_router import TokenRouter
 from services.router.detokenizer import IncrementalText
-from services.router.request import ErrorEvent, InflightRequest, RequestError, StageTimings
-from services.router.token_router import TokenRouter
-from services.router.validation import GenerateInput, InvalidRequest, ModelLimits, build_job, check_request_shape, \
-    tokenize
-from shared.messages import FinishReason
-from shared.metrics import RequestTimer
+from services.router.validation import (
+    GenerateInput,
+    InvalidRequest,
+    ModelLimits,
+    build_job,
+    check_request_shape,
+    tokenize,
+)
+from shared.control.messages import FinishReason
+from shared.runtime.metrics import RequestTimer
 
 log = structlog.get_logger()
 

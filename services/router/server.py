@@ -16,21 +16,21 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-from services.router.admin import AdminService
-from services.router.auth import bearer_token, interceptors, tls_credentials
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from services.router.api.admin import AdminService
+from services.router.api.auth import bearer_token, interceptors, tls_credentials
+from services.router.api.generation import GenerationService
+from services.router.api.http_server import HttpServer
+from services.router.api.openai_api import create_app
+from services.router.control.token_router import TokenRouter
 from services.router.frontend import Frontend
-from services.router.generation import GenerationService
-from services.router.http_server import HttpServer
-from services.router.openai_api import create_app
-from services.router.token_router import TokenRouter
 from services.router.validation import ModelLimits
-from shared import metrics
 from shared.config import Config
 from shared.model.fingerprint import checkpoint_fingerprint
 from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
-from shared.process import SystemdNotify
+from shared.runtime import metrics
+from shared.runtime.process import SystemdNotify
 
 log = structlog.get_logger()
 

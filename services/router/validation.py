@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 
 from shared.config import RouterConfig
-from shared.messages import SamplingParams, StopParams
+from shared.control.messages import SamplingParams, StopParams
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 MAX_STOP_STRINGS = 16

@@ -6,7 +6,7 @@ Every service gets this command's arguments (--config, --model-path, ...), and e
 own id, metrics port, cores and GPU on top (services/stack/topology.py). One that dies is
 restarted with a backoff, and one that crash-loops or is refused by the router stops the stack
 with exit code 1; Ctrl-C or SIGTERM stops them all (Supervisor.stop) and exits 0. Each service
-dies with its parent (shared.process.die_with_parent), so none is orphaned even if this one is
+dies with its parent (shared.runtime.process.die_with_parent), so none is orphaned even if this one is
 killed.
 """
 
@@ -17,10 +17,10 @@ import sys
 
 import structlog
 
+from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import plan_workers
-from services.supervisor import RestartPolicy, Service, Supervisor
 from shared.config import ConfigError, parse_service_config
-from shared.log import configure_logging
+from shared.runtime.log import configure_logging
 
 log = structlog.get_logger()
 

@@ -2,7 +2,7 @@
 
 Each service gets free ports, its own log file in a work folder and the settings given as
 PDSERVE_* variables; the stack is used once health says SERVING, and stopping it fails on shared
-memory left behind. Processes start and stop through services/supervisor.py, with restarts when
+memory left behind. Processes start and stop through services/stack/supervisor.py, with restarts when
 asked for (`restart`); without, a service that dies stays dead until `start` is called again.
 
 The workers are laid out as `python -m services.stack` lays them out (services/stack/topology.py:
@@ -25,12 +25,12 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import ROLES, WorkerPlan, plan_workers
-from services.supervisor import RestartPolicy, Service, Supervisor
 from shared.config import env_name, load_config
-from shared.messages import Role
+from shared.control.messages import Role
 
 SERVICES = ("router", "prefill", "decode")
 SHM_CLEANUP_S = 5.0  # a killed worker's segment is unlinked by its resource tracker, a moment later

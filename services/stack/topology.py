@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import Config, ConfigError, env_name, flag_name, parse_cores, parse_devices
-from shared.messages import Role
+from shared.control.messages import Role
 
 ROLES = (Role.PREFILL, Role.DECODE)
 

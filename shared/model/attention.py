@@ -4,7 +4,7 @@ prefill_attention: causal attention over a prompt chunk's contiguous K/V (flash 
 SDPA where the device has it); a later chunk also sees the earlier chunks' K/V, with the causal
 mask aligned to the bottom right. paged_decode_attention: one new token per sequence against
 its pages; on a GPU the Triton kernel reads the pages in place and dequantizes quantized ones in
-registers (shared/model/paged_attention_triton.py); on the CPU the pages are gathered and
+registers (shared/kernels/paged_attention_triton.py); on the CPU the pages are gathered and
 dequantized, which is cheap for the CPU's small contexts.
 """
 
@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shared import kv_quant
-from shared.model import paged_attention_triton
+from shared.kernels import kv_quant, paged_attention_triton
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from shared.messages import ModelFingerprint
+from shared.control.messages import ModelFingerprint
 from shared.model import presets
 
 SAMPLE_BYTES = 1 << 20

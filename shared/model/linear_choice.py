@@ -15,7 +15,7 @@ the warm-up steps of services/decode/cuda_graphs.py make every choice (and compi
 config) before it captures. A shape first seen during a capture takes cuBLAS.
 
 Timed alone, a shape can favour cuBLAS by a little, and yet the step be faster on the GEMV: a
-cuBLAS kernel breaks the chain of programmatic dependent launches (shared/triton_support.py), so
+cuBLAS kernel breaks the chain of programmatic dependent launches (shared/kernels/triton_support.py), so
 the kernels on either side of it wait for full drains. Which effect wins differed between batch
 sizes on the H200, so for a batch size where some shape chose cuBLAS, the decode times its whole
 graphed step both ways and may put every matmul of that size on the GEMV (gemv_rows).
@@ -32,7 +32,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from shared.model import gemv_triton
+from shared.kernels import gemv_triton
 
 log = structlog.get_logger()
 

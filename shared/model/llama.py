@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from shared.kv_pool import PagedKvPool
-from shared.model import attention, fused_triton, presets
+from shared.kernels import fused_triton
+from shared.kv.pool import PagedKvPool
+from shared.model import attention, presets
 from shared.model.linear_choice import LinearChooser
 
 

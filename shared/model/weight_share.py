@@ -20,10 +20,10 @@ from pathlib import Path
 import msgpack
 import torch
 
-from shared.device import device_uuid
-from shared.dispatch import FatalError
+from shared.control.dispatch import FatalError
+from shared.kernels.device import device_uuid
 from shared.model.llama import LlamaWeights, PagedLlama
-from shared.runtime_dir import write_private_file
+from shared.runtime.runtime_dir import write_private_file
 
 
 class WeightsOnAnotherGpu(FatalError):

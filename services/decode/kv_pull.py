@@ -1,0 +1,172 @@
+"""Pulling a request's KV pages from a prefill's pool into the decode's own pool.
+
+Each prefill pool is opened once, when the router announces it (PoolAvailable), by the first of
+its handles that kv.transfer allows and that opens here (shared/kv/transfer/choice.py), through
+the backend that handle and this decode's device call for, and kept until the prefill goes away
+(PoolGone) or is replaced by a new incarnation. Per request exactly the prompt's pages move, in
+one transfer; landed() and failed() report each finished transfer once. A transfer that is not
+stream-ordered and has not finished within the timeout is cancelled and reported failed; a
+stream-ordered one ends with the decode's own stream, which the router's progress timeout watches.
+
+The pages of a request dropped before its pages landed (aborted, failed) go back to the pool
+through drop(): at once, or, while a cancelled remote read may still write into them, once it
+has settled (shared/kv/transfer/base.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import structlog
+
+from shared.config import KvConfig
+from shared.control import wire
+from shared.control.messages import DecodeTask, KvPoolHandle
+from shared.kv.pool import PagedKvPool, pages_for
+from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
+
+log = structlog.get_logger()
+
+
+class HandoffError(RuntimeError):
+    pass
+
+
+class KvPuller:
+    def __init__(self, local: PagedKvPool, scratch_page: int, free_pages: Callable[[list[int]], None],
+                 transfer_timeout_s: float = KvConfig.transfer_timeout_s, transfer: str = KvConfig.transfer):
+        """scratch_page: a page of local that the backends may overwrite (to warm up the transfer
+        from a newly opened pool before a request needs it); free_pages: gives pages back to the
+        decode's allocator; transfer: kv.transfer, the kinds this decode pulls with."""
+        self.local = local
+        self.scratch_page = scratch_page
+        self.free_pages = free_pages
+        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer = transfer
+        self.backends: dict[type[Backend], Backend] = {}
+        self.sources: dict[str, Source] = {}
+        self.offered: dict[str, list[KvPoolHandle]] = {}  # prefill id -> the handles its pool came with
+        self.unmappable: dict[str, str] = {}  # prefill id -> why its pool could not be opened
+        self.in_flight: list[Transfer] = []   # in start order
+        self._landed: list[Transfer] = []
+        self._failed: list[Transfer] = []
+        self._unsettled: dict[str, Transfer] = {}  # failed, still writing: by request id, until dropped
+        self.settling: list[tuple[Transfer, list[int]]] = []  # dropped, still writing: their pages wait
+
+    @property
+    def copying(self) -> bool:
+        """Some transfer has not been reported by landed() or failed() yet."""
+        return bool(self.in_flight or self._landed or self._failed)
+
+    def map_pool(self, prefill_worker_id: str, handles: list[KvPoolHandle]) -> None:
+        if self.offered.get(prefill_worker_id) == handles and prefill_worker_id in self.sources:
+            return
+        self.unmap_pool(prefill_worker_id)
+        self.offered[prefill_worker_id] = handles
+        usable = usable_handles(handles, self.transfer)
+        failures = [] if usable else [f"kv.transfer is {self.transfer}, the pool is offered by "
+                                      f"{', '.join(h.backend for h in handles) or 'nothing'}"]
+        for handle in usable:
+            try:
+                self.sources[prefill_worker_id] = self._open(prefill_worker_id, handle)
+            except (RuntimeError, OSError, ValueError) as exc:  # TransferError is a RuntimeError
+                failures.append(f"{handle.backend}: {exc}")
+                continue
+            log.info("mapped prefill pool", prefill=prefill_worker_id, backend=handle.backend,
+                     pages=handle.layout.num_pages, passed_over=failures)
+            return
+        self.unmappable[prefill_worker_id] = "; ".join(failures)
+        raise HandoffError(f"cannot open the pool of {prefill_worker_id}: {self.unmappable[prefill_worker_id]}")
+
+    def _open(self, prefill_worker_id: str, handle: KvPoolHandle) -> Source:
+        layout, local = handle.layout, self.local.layout
+        if (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
+                local.num_layers, local.page_size, local.num_kv_heads, local.head_dim, local.dtype):
+            raise TransferError(f"its layout is {layout}, ours is {local}")
+        return self._backend(handle).open(prefill_worker_id, handle)
+
+    def _backend(self, handle: KvPoolHandle) -> Backend:
+        kind = backend_for(handle, self.local.kv.device)
+        if kind not in self.backends:
+            self.backends[kind] = kind(self.local, self.scratch_page)
+        return self.backends[kind]
+
+    def unmap_pool(self, prefill_worker_id: str) -> None:
+        self.unmappable.pop(prefill_worker_id, None)
+        self.offered.pop(prefill_worker_id, None)
+        source = self.sources.pop(prefill_worker_id, None)
+        if source is not None:
+            source.close()
+
+    def pull(self, task: DecodeTask, local_pages: list[int]) -> Transfer:
+        """Starts moving the task's prompt pages into local_pages; landed() says when they are there."""
+        source = self.sources.get(task.prefill_worker_id)
+        if source is None:
+            why = self.unmappable.get(task.prefill_worker_id, "not announced")
+            raise HandoffError(f"no mapped pool for prefill {task.prefill_worker_id} ({why})")
+        count = pages_for(task.num_tokens, self.local.layout.page_size)
+        try:
+            src_ids = np.frombuffer(wire.unpack_page_ids(task.src_page_ids), dtype=np.intc)
+            if len(src_ids) < count:
+                raise ValueError(f"{len(src_ids)} page ids for a prompt of {count} pages")
+            transfer = source.start(task.request_id, src_ids[:count], local_pages[:count])
+        except (TransferError, ValueError) as exc:  # WireError is a ValueError
+            raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
+        self.in_flight.append(transfer)
+        return transfer
+
+    def landed(self) -> list[Transfer]:
+        """Every transfer whose pages are in the pool, each reported once; never waits for one."""
+        self._poll()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def failed(self) -> list[Transfer]:
+        """Every transfer that failed (its error says why), each reported once."""
+        self._poll()
+        failed, self._failed = self._failed, []
+        return failed
+
+    def drop(self, request_id: str, pages: list[int]) -> None:
+        """The request is gone before its pages landed (aborted, or its transfer failed): its
+        transfer, if unfinished, ends unreported, and its pages go back to the allocator as soon
+        as nothing writes into them."""
+        transfer = self._unsettled.pop(request_id, None)
+        for unfinished in [t for t in self.in_flight if t.request_id == request_id]:
+            unfinished.cancel("the request ended")
+            self.in_flight.remove(unfinished)
+            transfer = unfinished
+        if transfer is None or transfer.settled():
+            self.free_pages(pages)
+        else:
+            self.settling.append((transfer, pages))
+
+    def _poll(self) -> None:
+        waiting = []
+        for transfer, pages in self.settling:
+            if transfer.settled():
+                self.free_pages(pages)
+            else:
+                waiting.append((transfer, pages))
+        self.settling = waiting
+        still = []
+        for transfer in self.in_flight:
+            state = transfer.poll()
+            if not state.finished and not transfer.stream_ordered and (
+                    time.time() - transfer.started_at > self.transfer_timeout_s):
+                transfer.cancel(f"not done within {self.transfer_timeout_s:g} s ({state.name.lower()})")
+            if transfer.state is TransferState.DONE:
+                self._landed.append(transfer)
+            elif transfer.state is TransferState.FAILED:
+                self._failed.append(transfer)
+                if not transfer.settled():
+                    self._unsettled[transfer.request_id] = transfer
+            else:
+                still.append(transfer)
+        self.in_flight = still
+
+    def close(self) -> None:
+        for prefill_worker_id in list(self.sources):
+            self.unmap_pool(prefill_worker_id)

@@ -1,0 +1,123 @@
+"""Admission: requests wait here, FIFO, until one prefill and one decode have room, then are placed.
+
+Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages on the decode
+before the prefill starts, so a finished prefill never waits for decode room. Reservations live
+on the workers' records (Worker.reservations) and go back when the workers are done with them:
+the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
+when the request fails; admit_waiting() then places whoever waits. The waiting line is bounded in
+length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
+request is refused with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Callable
+
+from services.router.control.request import InflightRequest, RequestError
+from services.router.control.routing import RoutingPolicy
+from services.router.control.worker_records import Worker, WorkerRegistry
+from shared.config import RouterConfig
+from shared.control.messages import ErrorCode, Role
+from shared.kv.pool import decode_pages_needed, pages_for
+from shared.runtime import metrics
+
+
+class Admission:
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, config: RouterConfig, page_size: int,
+                 on_placed: Callable[[InflightRequest], None]):
+        """on_placed: called with each request the moment it has its workers and reservations."""
+        self.registry = registry
+        self.policy = policy
+        self.config = config
+        self.page_size = page_size
+        self.on_placed = on_placed
+        self.waiting: deque[tuple[InflightRequest, asyncio.Future]] = deque()
+
+    def pages_needed(self, request: InflightRequest) -> dict[Role, int]:
+        prompt_tokens = len(request.job.prompt_token_ids)
+        return {Role.PREFILL: pages_for(prompt_tokens, self.page_size),
+                Role.DECODE: decode_pages_needed(prompt_tokens, request.job.stop.max_tokens, self.page_size)}
+
+    async def admit(self, request: InflightRequest) -> None:
+        """Returns once the request is placed; raises RequestError when it cannot be."""
+        if not self.registry.paired():
+            raise RequestError(ErrorCode.UNAVAILABLE, "no prefill and decode workers are serving "
+                                                      "(or none of the decodes can pull from a prefill)")
+        for role, pages in self.pages_needed(request).items():
+            largest = self.registry.largest_pool(role)
+            if pages > largest:
+                raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                                   f"request needs {pages} KV pages, more than any {role} pool holds ({largest})")
+        if not self.waiting and self._place(request):
+            return
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                               f"{len(self.waiting)} requests already wait for KV room; try again later")
+        placed = asyncio.get_running_loop().create_future()
+        entry = (request, placed)
+        self.waiting.append(entry)
+        try:
+            await asyncio.wait_for(placed, self.config.admission_timeout_s)
+        except TimeoutError:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, "no KV room became free within "
+                               f"{self.config.admission_timeout_s} s") from None
+        finally:
+            if entry in self.waiting:
+                self.waiting.remove(entry)
+
+    def admit_waiting(self) -> None:
+        """Places waiting requests, in order, while the first of them fits."""
+        while self.waiting:
+            request, placed = self.waiting[0]
+            if placed.done():  # its caller gave up
+                self.waiting.popleft()
+            elif self._place(request):
+                self.waiting.popleft()
+                placed.set_result(None)
+            else:
+                return
+
+    @staticmethod
+    def release(worker: Worker | None, request: InflightRequest) -> bool:
+        """Gives the request's reservation on that worker back; False if it held none there."""
+        if worker is None:
+            return False
+        worker.pending_tokens.pop(request.request_id, None)
+        return worker.reservations.pop(request.request_id, None) is not None
+
+    def replace_prefill(self, request: InflightRequest) -> bool:
+        """Moves a request that failed on its prefill, before its first token, to another one
+        with room now; False if there is none (its old reservation is released either way)."""
+        request.failed_on.add(request.prefill.worker_id)
+        self.release(request.prefill, request)
+        pages = self.pages_needed(request)[Role.PREFILL]
+        prefills = self.policy.reachable(self.registry.serving(Role.PREFILL), [request.decode])
+        prefill = self.policy.pick_prefill(prefills, request, pages)
+        if prefill is None:
+            return False
+        self._reserve_prefill(request, prefill, pages)
+        return True
+
+    def _place(self, request: InflightRequest) -> bool:
+        needed = self.pages_needed(request)
+        pair = self.policy.pick_pair(self.registry.serving(Role.PREFILL), self.registry.serving(Role.DECODE), request,
+                                     needed[Role.PREFILL], needed[Role.DECODE])
+        if pair is None:
+            return False
+        prefill, decode = pair
+        self._reserve_prefill(request, prefill, needed[Role.PREFILL])
+        request.decode = decode
+        decode.reservations[request.request_id] = needed[Role.DECODE]
+        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
+        request.timings.router_queue_s = time.perf_counter() - request.submitted_at
+        self.on_placed(request)
+        return True
+
+    def _reserve_prefill(self, request: InflightRequest, prefill: Worker, pages: int) -> None:
+        request.prefill = prefill
+        prefill.reservations[request.request_id] = pages
+        prefill.pending_tokens[request.request_id] = self.policy.tokens_to_compute(prefill, request)
+        metrics.count_routed(prefill.worker_id, Role.PREFILL, prefill.pending_tokens[request.request_id])

@@ -1,0 +1,127 @@
+"""The router's record of one request in flight, and what it tells the front that streams it.
+
+A request is keyed inside pdserve by `request_id`, which the router makes (random, so unique
+per router incarnation: a frame about an old router's request can never match a new one). The
+client's own request_id is only its `label`: it shows in logs and responses, and two calls may
+carry the same label at once without ever seeing each other's tokens.
+
+Stages (InflightRequest.stage):
+  ADMITTING  waiting, FIFO, until one prefill and one decode have room (services/router/control/admission.py)
+  PREFILL    PrefillTask sent; KvReady brings the first token and the prompt's page ids
+  DECODE     DecodeTask sent; TokenBatch entries bring the rest
+  DONE       ended by the workers (EOS, length, failure) or by the front (client gone, stop string)
+Every stage has a deadline (router.*_timeout_s): a request past it fails with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.router.control.worker_records import Worker
+from services.router.validation import Job
+from shared.control.messages import ErrorCode, FinishReason
+from shared.kv.page_keys import page_keys
+
+
+class RequestError(Exception):
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Stage(Enum):
+    ADMITTING = "admitting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: ErrorCode
+    message: str
+
+
+@dataclass
+class StageTimings:
+    """Where a request's time went, in seconds, with the field names of the API's StageTimings
+    (proto/pdserve/v1/generation.proto says what each covers)."""
+    tokenize_s: float = 0.0
+    router_queue_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    first_token_s: float = 0.0
+    kv_handoff_s: float = 0.0
+    decode_queue_s: float = 0.0
+    first_decode_step_s: float = 0.0
+    cached_prompt_tokens: int = 0  # not a time: the prompt tokens the prefill took from its cache
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class HandoffClock:
+    """Wall clocks (time.time) of the handoff, each stamped by the process where it happened."""
+    kv_ready_at: float = 0.0            # the prefill's KV complete
+    pulled_at: float = 0.0              # the pages in the decode's pool
+    first_step_started_at: float = 0.0  # the decode's first step for this request began
+    first_step_received_at: float = 0.0  # that step's tokens reached the router
+
+    def fill(self, timings: StageTimings) -> None:
+        if self.pulled_at and self.first_step_started_at:
+            timings.kv_handoff_s = self.pulled_at - self.kv_ready_at
+            timings.decode_queue_s = self.first_step_started_at - self.pulled_at
+            timings.first_decode_step_s = self.first_step_received_at - self.first_step_started_at
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(16)
+
+
+@dataclass(eq=False)
+class InflightRequest:
+    job: Job
+    label: str = ""  # the client's request_id; the router's own id when it gave none
+    request_id: str = field(default_factory=new_request_id)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stage: Stage = Stage.ADMITTING
+    prefill: Worker | None = None  # once placed
+    decode: Worker | None = None
+    timings: StageTimings = field(default_factory=StageTimings)
+    clock: HandoffClock = field(default_factory=HandoffClock)
+    submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
+    deadline: float = float("inf")  # time.monotonic() by which the current stage must move on
+    failed_on: set[str] = field(default_factory=set)  # prefills it failed on, before its first token
+    _page_keys: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.request_id
+
+    def enter(self, stage: Stage, timeout_s: float) -> None:
+        self.stage = stage
+        self.deadline = time.monotonic() + timeout_s
+
+    def page_keys(self, page_size: int) -> list[str]:
+        """The prompt's full pages' keys (shared/kv/page_keys.py), hashed once, when routing first asks."""
+        if self._page_keys is None:
+            self._page_keys = page_keys(self.job.prompt_token_ids, page_size)
+        return self._page_keys
+
+    def holder(self) -> Worker | None:
+        """The worker that has the request in its current stage."""
+        return {Stage.PREFILL: self.prefill, Stage.DECODE: self.decode}.get(self.stage)
+
+    def ended(self) -> bool:
+        return self.stage == Stage.DONE

@@ -1,0 +1,109 @@
+"""The router's view of its workers: who is alive, and how much KV room each has promised away."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shared.control.messages import Heartbeat, KvCacheEvents, KvPoolHandle, ModelFingerprint, Register, Role
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    role: Role
+    identity: bytes           # the ZeroMQ routing id of its connection, learnt at registration
+    user_id: str | None       # the CURVE key it connected with (ZAP User-Id); None on ipc://
+    incarnation: str          # random per process start
+    pid: int
+    total_pages: int
+    pool_handles: list[KvPoolHandle]  # a prefill's, as it registered them
+    fingerprint: ModelFingerprint
+    last_seen: float = field(default_factory=time.monotonic)
+    # Pages promised to each request in flight, by request id: the prompt's on a prefill until
+    # the decode has pulled them, prompt + max_tokens on a decode until it ends the request. The
+    # requests that fail if this worker dies are exactly these.
+    reservations: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens placed on a prefill and not prefilled yet, by request id: its queue, in work.
+    pending_tokens: dict[str, int] = field(default_factory=dict)
+    draining: bool = False    # takes no new work (services/router/control/routing.py skips it)
+    cached_keys: set[str] = field(default_factory=set)  # a prefill's prefix cache, as its KvCacheEvents say
+    unreachable: dict[str, str] = field(default_factory=dict)  # a decode's prefills it cannot pull from, and why
+    unknown_holding: set[str] = field(default_factory=set)  # held, by its last heartbeat, unknown to the router
+    free_pages: int = 0       # as the worker last reported
+    running: int = 0
+    waiting: int = 0
+    stalled_s: float = 0.0    # its main loop's time since it last came round, as last reported
+
+    @property
+    def reserved_pages(self) -> int:
+        """Derived from the reservations, never counted apart, so it cannot drift from them."""
+        return sum(self.reservations.values())
+
+    @property
+    def room(self) -> int:
+        return self.total_pages - self.reserved_pages
+
+    @property
+    def pending_prompt_tokens(self) -> int:
+        return sum(self.pending_tokens.values())
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+
+    def register(self, identity: bytes, user_id: str | None, message: Register) -> tuple[Worker, Worker | None]:
+        """Returns the worker's record and the record it replaces, if any: a new process, or one
+        that registers again because the router forgot it, and so holds nothing it was given. A
+        Register repeated on the same connection by the same process (an answer was slow) keeps
+        the record as it is."""
+        old = self.workers.get(message.worker_id)
+        if old is not None and old.incarnation == message.incarnation and old.identity == identity:
+            return old, old
+        worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
+                        message.total_pages, message.pool_handles, message.fingerprint, free_pages=message.total_pages)
+        self.workers[message.worker_id] = worker
+        if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
+            for decode in self.of_role(Role.DECODE):
+                decode.unreachable.pop(worker.worker_id, None)
+        return worker, old
+
+    @staticmethod
+    def cache_changed(prefill: Worker, message: KvCacheEvents) -> None:
+        """What the prefill's prefix cache holds now, by its own events."""
+        if message.cleared:
+            prefill.cached_keys.clear()
+        prefill.cached_keys.difference_update(message.evicted)
+        prefill.cached_keys.update(message.stored)
+
+    def by_identity(self, identity: bytes) -> Worker | None:
+        return next((w for w in self.workers.values() if w.identity == identity), None)
+
+    def heartbeat(self, worker: Worker, message: Heartbeat) -> None:
+        worker.last_seen = time.monotonic()
+        worker.free_pages, worker.running, worker.waiting = message.free_pages, message.running, message.waiting
+        worker.stalled_s = message.stalled_s
+
+    def remove(self, worker: Worker) -> None:
+        if self.workers.get(worker.worker_id) is worker:
+            del self.workers[worker.worker_id]
+
+    def silent_since(self, timeout_s: float) -> list[Worker]:
+        deadline = time.monotonic() - timeout_s
+        return [w for w in self.workers.values() if w.last_seen < deadline]
+
+    def of_role(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def serving(self, role: Role) -> list[Worker]:
+        """The workers of that role that take new work."""
+        return [w for w in self.of_role(role) if not w.draining]
+
+    def paired(self) -> bool:
+        """Whether some serving prefill and serving decode can hand KV over to each other."""
+        return any(prefill.worker_id not in decode.unreachable
+                   for prefill in self.serving(Role.PREFILL) for decode in self.serving(Role.DECODE))
+
+    def largest_pool(self, role: Role) -> int:
+        return max((w.total_pages for w in self.of_role(role)), default=0)

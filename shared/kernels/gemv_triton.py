@@ -1,0 +1,183 @@
+"""Skinny matmul for the decode step, in Triton: out[M, N] = x[M, K] @ weight[N, K]^T, M <= 16.
+
+It is F.linear without bias for a batch of at most 16 rows. There a decode step is bound by reading
+each weight once, so the kernel is built to stream the weight at HBM bandwidth: program (n, s)
+reads a contiguous block of BLOCK_N weight rows, 16-byte loads along K, over its share s of K, and
+accumulates in fp32. Two inner products, one per kind of config:
+
+    BLOCK_M == 1    multiply-add on the CUDA cores: the [BLOCK_N, BLOCK_K] products accumulate
+                    elementwise and are summed over K once, after the loop (M = 1 only)
+    BLOCK_M == 16   tl.dot on the tensor cores, x padded to 16 rows (any M <= 16)
+
+Split-K: where N / BLOCK_N programs would leave SMs idle (o_proj and down_proj of Llama-8B have
+N = 4096 on 132 SMs), the grid's second axis cuts K into SPLIT_K ranges; each writes fp32 partial
+sums and a second kernel adds them and rounds once. The caller names the config:
+shared/model/linear_choice.py times every usable one per shape, as a decode step runs them, and
+keeps the fastest. Nothing is read on the host, so a call can be captured in a CUDA graph once its
+config has been compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
+
+MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Split K only while the row blocks alone give fewer programs than this per SM.
+_SPLIT_BELOW_PROGRAMS_PER_SM = 2
+# Columns per program of the split-K sum.
+_SUM_BLOCK = 1024
+
+
+def _config(block_m: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+                         num_warps=warps, num_stages=stages)
+
+
+if triton is not None:
+    CONFIGS = [
+        # Multiply-add, one row: blocks of a few rows already make enough programs without a split.
+        # Two rows by 1024 and four by 2048 columns were the fastest multiply-add configs for
+        # qkv, o_proj and down of Llama-8B on the H200 (loadtest/bench_gemv_configs.py).
+        _config(1, 2, 1024, 1, 4, 3),
+        _config(1, 4, 2048, 1, 4, 3),
+        _config(1, 4, 1024, 1, 4, 3),
+        _config(1, 8, 512, 1, 4, 3),
+        _config(1, 16, 512, 1, 8, 3),
+        # Tensor cores: 64 rows a block is one Hopper warpgroup MMA; split-K for the small N.
+        _config(16, 64, 128, 1, 4, 4),
+        _config(16, 128, 128, 1, 4, 4),
+        _config(16, 32, 256, 1, 4, 4),
+        _config(16, 64, 128, 2, 4, 4),
+        _config(16, 32, 256, 4, 4, 4),
+    ]
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, out_ptr, partial_ptr,
+        M, N, K,
+        stride_xm, stride_wn, stride_om,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        wait_for_previous_kernel(USE_PDL)
+        split = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        # Each split owns whole K blocks, so only K's own end needs a mask (and with K a multiple
+        # of 16, which Triton specialises on, the mask keeps the loads vectorised).
+        blocks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        k_begin = split * blocks_per_split * BLOCK_K
+        k_end = tl.minimum(K, k_begin + blocks_per_split * BLOCK_K)
+        # int64 rows: N * K passes 2**31 for large vocabularies.
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        x_rows = x_ptr + m[:, None] * stride_xm
+        row_mask = rows[:, None] < N
+        m_mask = m[:, None] < M
+        if BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_begin, k_end, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            col_mask = cols[None, :] < K
+            # The weight is read once per step: keep it from evicting x and other hot lines in L2.
+            w = tl.load(w_rows + cols[None, :], mask=row_mask & col_mask, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_rows + cols[None, :], mask=m_mask & col_mask, other=0.0)
+            if BLOCK_M == 1:
+                acc += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PRECISION)
+        if BLOCK_M == 1:
+            result = tl.sum(acc, axis=1)[:, None]
+        else:
+            result = acc
+        # result is [BLOCK_N, BLOCK_M]: out transposed.
+        out_mask = row_mask & (m[None, :] < M)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + m[None, :] * stride_om + rows[:, None], result.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+        else:
+            tl.store(partial_ptr + (split * M + m[None, :]) * N + rows[:, None], result, mask=out_mask)
+
+    @triton.jit
+    def _split_sum_kernel(partial_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+        wait_for_previous_kernel(USE_PDL)
+        m = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        splits = tl.arange(0, SPLIT_K)
+        parts = tl.load(partial_ptr + (splits[:, None] * M + m) * N + cols[None, :], mask=mask[None, :], other=0.0)
+        tl.store(out_ptr + m * stride_om + cols, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def usable_configs(rows: int, n: int, k: int, sms: int) -> list:
+    """The configs worth timing for a shape on a GPU of `sms` SMs: multiply-add only for one row;
+    split-K only where the row blocks leave SMs idle and every split gets at least one K block."""
+    def usable(config) -> bool:
+        meta = config.kwargs
+        if meta["BLOCK_M"] < rows:
+            return False
+        return meta["SPLIT_K"] == 1 or (triton.cdiv(n, meta["BLOCK_N"]) < _SPLIT_BELOW_PROGRAMS_PER_SM * sms
+                                        and k >= meta["SPLIT_K"] * meta["BLOCK_K"])
+    return [config for config in CONFIGS if usable(config)]
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, same
+    float dtype, contiguous last dims."""
+    return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
+            and x.dtype == weight.dtype and x.dtype in SUPPORTED_DTYPES
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x {x.dtype} and weight {weight.dtype} must be one of {SUPPORTED_DTYPES}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x strides {x.stride()} and weight strides {weight.stride()} need a contiguous last dim")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
+    """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major, with one of CONFIGS: a new
+    [M, N] in x's dtype. A config's first call compiles it, so it must not come in a CUDA-graph
+    capture."""
+    require_triton("gemv")
+    _check(x, weight)
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    if config.kwargs["BLOCK_M"] < rows:
+        raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
+    split_k = config.kwargs["SPLIT_K"]
+    # Unused unless the config splits K; out stands in for it otherwise.
+    partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    # tf32 would round fp32 inputs to 10 mantissa bits; for 16-bit inputs the precision is moot.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
+    launch = pdl_options(x.device)
+    _gemv_kernel[grid](x, weight, out, partial, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
+                       num_stages=config.num_stages, **launch)
+    if split_k > 1:
+        _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
+                                                             SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)
+    return out

@@ -1,0 +1,83 @@
+"""What every worker process does around its own loop: config, logging, pinning, model, link.
+
+The prefill and decode `__main__` modules differ only in the worker class they run; the
+colocated one (both workers in one process) reuses `load_model`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import structlog
+
+from shared.config import Config, parse_service_config
+from shared.control.dispatch import FatalError
+from shared.control.messages import ModelFingerprint, Role
+from shared.kernels.device import select_device
+from shared.model.fingerprint import model_fingerprint
+from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
+from shared.model.sampling import FinishCheck
+from shared.model.weight_share import map_weights, weights_file
+from shared.runtime.log import configure_logging
+from shared.runtime.process import StopSignals, SystemdNotify, die_with_parent, pin_to_cores, stop_signals
+
+log = structlog.get_logger()
+
+WEIGHTS_WAIT_S = 600.0  # the prefill may still be loading a large model
+
+
+@dataclass
+class Worker:
+    config: Config
+    model: PagedLlama
+    finish: FinishCheck
+    fingerprint: ModelFingerprint
+    stop: StopSignals
+    notify: SystemdNotify
+
+
+def start_worker(role: Role) -> Worker:
+    """The role's config section names the worker id and cores."""
+    die_with_parent()
+    config = parse_service_config(role.value)
+    section = getattr(config, role.value)
+    configure_logging(role.value, section.worker_id, config.log.format, config.log.level)
+    stop = stop_signals()
+    cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
+    model, finish, fingerprint = load_model(config, getattr(section, "weights_from", ""))
+    log.info("model ready", cores=cores)
+    return Worker(config, model, finish, fingerprint, stop, SystemdNotify())
+
+
+def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
+    """The model, loaded from its checkpoint or mapped from the weights prefill `weights_from`
+    publishes, the check that ends its requests, and its fingerprint (what a peer's KV must match)."""
+    # "cuda" resolved to "cuda:N" and made current before anything touches a GPU (shared/kernels/device.py).
+    config.model.device = str(select_device(config.model.device))
+    checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
+    hf_config = load_hf_config(checkpoint)
+    if weights_from:
+        path = weights_file(config.router.runtime_dir, weights_from)
+        model, owner_pid = map_weights(hf_config, path, config.model.device, WEIGHTS_WAIT_S)
+        log.info("mapped shared weights", prefill=weights_from, owner_pid=owner_pid)
+    else:
+        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
+    log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers)
+    fingerprint = model_fingerprint(checkpoint, hf_config, str(model.embed.dtype).removeprefix("torch."),
+                                    model.num_layers, model.num_kv_heads, model.head_dim, config.kv.page_size,
+                                    config.kv.dtype)
+    return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint
+
+
+def exit_on_error(main) -> None:
+    """Runs a worker process's main: a FatalError exits with its code, any other error with 1."""
+    try:
+        main()
+    except FatalError as exc:
+        log.error("worker stopped", reason=str(exc), exit_code=exc.exit_code)
+        sys.exit(exc.exit_code)
+    except Exception:
+        log.exception("worker crashed")
+        sys.exit(1)
