@@ -33,7 +33,8 @@ from services.decode.step_inputs import DecodingRequest, step_inputs
 from shared.control.messages import SamplingParams, StopParams
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import allow_pdl
-from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from shared.model import presets
 from shared.model.linear_choice import LinearChooser, time_per_call_ms
 from shared.model.llama import PagedLlama

@@ -28,7 +28,8 @@ import torch
 
 from loadtest.report import emit
 from shared.kernels import kv_quant
-from shared.kv.pool import allocate_local_pool, make_layout, pages_for, token_bytes
+from shared.kv.pages import pages_for
+from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import load_tokenizer, resolve_checkpoint

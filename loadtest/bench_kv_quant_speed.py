@@ -24,7 +24,8 @@ from services.decode.cuda_graphs import GraphedDecode
 from services.decode.step_inputs import DecodingRequest, step_inputs
 from shared.control.messages import SamplingParams, StopParams
 from shared.kernels import kv_quant
-from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for, token_bytes
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama
 

@@ -30,7 +30,8 @@ from services.decode.kv_pull import KvPuller
 from services.stack.supervisor import REPO
 from shared.control import wire
 from shared.control.messages import DecodeTask, SamplingParams, StopParams
-from shared.kv.pool import allocate_local_pool, make_layout, pages_for, shard_regions
+from shared.kv.pages import pages_for
+from shared.kv.pool import allocate_local_pool, make_layout, shard_regions
 from shared.kv.transfer.choice import HOST_KIND
 
 UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}

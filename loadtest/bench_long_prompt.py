@@ -13,7 +13,7 @@ In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
   causal attention, loadtest/bench_gpu.prefill_flops) at that rate;
 - the copy bandwidth, so a decode step's floor is (weight bytes + the context's KV bytes, scales
-  included: shared/kv_pool.token_bytes) / bandwidth, at the mean context of the decoded tokens.
+  included: shared/kv/pool.py token_bytes) / bandwidth, at the mean context of the decoded tokens.
 On a GPU both are loadtest/bench_gpu's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
 float32 matmul and a host copy on this process's threads, labelled so: the services compute on
 their own pinned cores, so the CPU ratios show that the script works, not how close pdserve is.
@@ -43,7 +43,8 @@ from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
 from shared.config import KvConfig, RouterConfig
 from shared.kernels import kv_quant
-from shared.kv.pool import decode_pages_needed, make_layout, token_bytes
+from shared.kv.pages import decode_pages_needed
+from shared.kv.pool import make_layout, token_bytes
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config, resolve_checkpoint
 

@@ -52,10 +52,12 @@ from services.decode.step_inputs import DecodingRequest, step_inputs
 from services.stack.supervisor import Service, Supervisor
 from shared.control.messages import SamplingParams, StopParams
 from shared.kernels.device import on_stream, worker_stream
-from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from shared.model import presets
 from shared.model.llama import PagedLlama
-from shared.runtime.process import die_with_parent, pin_to_cores
+from shared.runtime.process import die_with_parent
+from shared.worker.cores import pin_to_cores
 
 DEVICE = "cuda:0"
 PAGE_SIZE = 16

@@ -23,11 +23,12 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.router.api.generation import generate_input
 from services.router.detokenizer import IncrementalText
 from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape, tokenize
-from shared.config import Config, parse_service_config
+from shared.config import Config
 from shared.model import presets
 from shared.model.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_checkpoint
 from shared.runtime.log import configure_logging
 from shared.runtime.process import die_with_parent
+from shared.runtime.service_config import parse_service_config
 
 log = structlog.get_logger()
 

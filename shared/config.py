@@ -16,12 +16,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zmq
-import zmq.auth
-
-from shared.control.curve import KeyPolicy
-from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir
-
 
 class ConfigError(ValueError):
     pass
@@ -287,62 +281,6 @@ class Config:
         if self.router.auth_token_file and self.router.auth_token:
             raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
 
-    def validate_service(self, service: str) -> None:
-        """The key, certificate and token files that service reads: a bad one stops it at start."""
-        router, worker = self.router, self.worker
-        if service == "colocated" and self.decode.weights_from:
-            raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
-                              "decode share one model already")
-        if service == "colocated" and self.kv.transfer == "nixl":
-            raise ConfigError("kv.transfer nixl does not apply to services.colocated: its decode copies the "
-                              "prefill's pages within the process; use auto")
-        if service == "colocated" and self.decode.idle_spin_s:
-            raise ConfigError("decode.idle_spin_s must be 0 in services.colocated: a spinning decode thread "
-                              "would hold the GIL its prefill thread needs")
-        endpoint = router.zmq_endpoint()
-        curve = endpoint.startswith("tcp://")
-        if curve and not zmq.has("curve"):
-            raise ConfigError(f"router.zmq_address {endpoint} needs CURVE, which this libzmq lacks")
-        if service == "router":
-            if curve:
-                _require_keys("the router", endpoint, "router", router,
-                              ("zmq_secret_key_file", "zmq_authorized_keys_dir"))
-                _check_certificate("router.zmq_secret_key_file", router.zmq_secret_key_file, secret=True)
-                if not list(Path(router.zmq_authorized_keys_dir).glob("*.key")):
-                    raise ConfigError(f"router.zmq_authorized_keys_dir: {router.zmq_authorized_keys_dir} holds no "
-                                      "public-key certificate (*.key): no worker could connect")
-                try:
-                    KeyPolicy.from_folder(router.zmq_authorized_keys_dir)
-                except (OSError, ValueError) as exc:
-                    raise ConfigError(f"router.zmq_authorized_keys_dir: {exc}") from None
-            for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
-                path = getattr(router, name)
-                if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
-                    raise ConfigError(f"router.{name}: cannot read the file {path}")
-            if (router.auth_token_file or router.auth_token) and not router.bearer_token():
-                source = "auth_token_file" if router.auth_token_file else "auth_token"
-                raise ConfigError(f"router.{source}: the token is empty")
-        elif curve:
-            _require_keys("a worker", endpoint, "worker", worker, ("zmq_secret_key_file", "zmq_router_public_key_file"))
-            _check_certificate("worker.zmq_secret_key_file", worker.zmq_secret_key_file, secret=True)
-            _check_certificate("worker.zmq_router_public_key_file", worker.zmq_router_public_key_file, secret=False)
-
-
-def _require_keys(who: str, endpoint: str, section: str, values: object, fields: tuple[str, ...]) -> None:
-    missing = [f"{section}.{name}" for name in fields if not getattr(values, name)]
-    if missing:
-        raise ConfigError(f"router.zmq_address {endpoint} is open to the network, so {who} needs CURVE keys: "
-                          f"set {' and '.join(missing)} (README.md, Security)")
-
-
-def _check_certificate(name: str, path: str, secret: bool) -> None:
-    try:
-        _, secret_key = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    if secret and secret_key is None:
-        raise ConfigError(f"{name}: {path} holds only a public key; give the secret-key certificate (.key_secret)")
-
 
 def parse_devices(spec: str) -> dict[str, list[str]]:
     """'prefill=0,1 decode=cuda:2' -> {"prefill": ["cuda:0", "cuda:1"], "decode": ["cuda:2"]}."""
@@ -450,16 +388,3 @@ def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[
                     setattr(target, name, _apply(raw, f, hints[name], f"{section}.{name} (from {source})"))
     config.validate()
     return config
-
-
-def parse_service_config(service: str) -> Config:
-    """A service's config from its command line, or exit 2 with a one-line reason."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
-    add_config_arguments(parser)
-    try:
-        config = load_config(parser.parse_args())
-        config.validate_service(service)
-        prepare_runtime_dir(config.router.runtime_dir)
-        return config
-    except (ConfigError, UnsafePath) as exc:
-        parser.error(str(exc))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from services.decode.step_inputs import DecodingRequest, StepInputs, step_inputs
 from shared.control.messages import SamplingParams, StopParams
-from shared.kv.pool import PageAllocator, PagedKvPool, pages_for
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import PagedKvPool
 from shared.model.llama import PagedLlama
 
 PAGE_SIZE = 16

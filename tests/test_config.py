@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import Config, ConfigError, add_config_arguments, load_config, parse_cores
+from shared.runtime.service_config import check_service
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,16 +169,16 @@ def test_example_file_loads_with_the_values_it_states():
 
 def test_colocated_refuses_mapping_weights_it_already_shares():
     config = load_config(parse(), environ={"PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0"})
-    config.validate_service("decode")
+    check_service(config, "decode")
     with pytest.raises(ConfigError, match="decode.weights_from"):
-        config.validate_service("colocated")
+        check_service(config, "colocated")
 
 
 def test_colocated_refuses_a_spinning_decode():
     config = load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "0.5"})
-    config.validate_service("decode")
+    check_service(config, "decode")
     with pytest.raises(ConfigError, match="decode.idle_spin_s"):
-        config.validate_service("colocated")
+        check_service(config, "colocated")
     with pytest.raises(ConfigError, match="must be >= 0"):
         load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "-1"})
 
@@ -191,4 +192,4 @@ def test_kv_transfer_is_checked_against_the_device_and_the_service():
     with pytest.raises(ConfigError, match="kv.transfer cuda_ipc moves GPU memory, but the pools are on cpu"):
         load_config(None, {"PDSERVE_KV_TRANSFER": "cuda_ipc"})
     with pytest.raises(ConfigError, match="kv.transfer nixl does not apply to services.colocated"):
-        load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}).validate_service("colocated")
+        check_service(load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}), "colocated")

@@ -242,7 +242,8 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     """Graph warm-up makes one choice per (batch, weight shape); the graphed step with those
     choices, and an eager step forced onto the GEMV, give cuBLAS's logits."""
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout
+    from shared.kv.pages import PageAllocator
+    from shared.kv.pool import allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs
@@ -293,7 +294,8 @@ def test_a_bucket_with_cublas_matmuls_keeps_its_faster_capture():
     """Where some matmul of a bucket chose cuBLAS, the bucket is captured both ways and timed; the
     faster capture is kept, and either gives the eager step's logits."""
     from services.decode.cuda_graphs import GraphedDecode
-    from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout
+    from shared.kv.pages import PageAllocator
+    from shared.kv.pool import allocate_local_pool, make_layout
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.kv.pool import PageAllocator, allocate_local_pool, make_layout, pages_for
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from tests.stack import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from shared.runtime import metrics
-from shared.worker.gpu_telemetry import THROTTLE_REASONS, GpuTelemetry, watch_gpu
+from shared.worker.gpu_telemetry import THROTTLE_REASONS, GpuTelemetry, serve_worker_metrics, watch_gpu
 
 GIB = 1 << 30
 HANDLE = object()  # NVML's handle of the device, opaque to the telemetry
@@ -154,7 +153,7 @@ def test_without_nvml_a_gpu_worker_runs_on_without_telemetry():
 def test_a_gpu_worker_serves_its_gpu_with_sane_values():
     held = torch.empty(GIB, dtype=torch.uint8, device="cuda:0")  # at least this much is in use
     torch.cuda.synchronize()
-    server = metrics.serve("127.0.0.1:0", metrics.WORKER, "cuda:0")  # port 0: any free one
+    server = serve_worker_metrics("127.0.0.1:0", "cuda:0")  # port 0: any free one
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10) as response:
             text = response.read().decode()

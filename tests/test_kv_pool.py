@@ -11,16 +11,8 @@ import pytest
 import torch
 
 from shared.control.messages import KvPoolHandle
-from shared.kv.pool import (
-    SHARD_ALIGN_BYTES,
-    PageAllocator,
-    PoolExhausted,
-    allocate_local_pool,
-    decode_pages_needed,
-    layout_bytes,
-    make_layout,
-    pages_for,
-)
+from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
+from shared.kv.pool import SHARD_ALIGN_BYTES, allocate_local_pool, layout_bytes, make_layout
 from shared.kv.transfer import TransferError, backend_for
 from shared.kv.transfer.shm import SharedMemoryExport
 

@@ -13,7 +13,8 @@ import torch
 
 from pdserve.v1 import generation_pb2
 from shared.kernels import kv_quant
-from shared.kv.pool import allocate_local_pool, make_layout, pages_for
+from shared.kv.pages import pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from shared.model.llama import load_paged_llama
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shared.kernels import kv_quant
-from shared.kv.pool import allocate_local_pool, make_layout, pages_for
+from shared.kv.pages import pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from shared.model.llama import load_paged_llama
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Les fleurs du jardin sont très belles et"]

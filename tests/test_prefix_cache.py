@@ -11,7 +11,7 @@ from services.prefill import cache_events
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import PrefixCache
 from shared.kv.page_keys import page_keys
-from shared.kv.pool import PoolExhausted
+from shared.kv.pages import PoolExhausted
 
 PAGE = 4
 

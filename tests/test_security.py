@@ -42,6 +42,7 @@ from shared.control.messages import (
     Reregister,
     Role,
 )
+from shared.runtime.service_config import check_service
 from tests.stack import REPO, SERVICES, ServiceStack, free_port
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
@@ -195,20 +196,20 @@ def _config(**environ: str):
 def test_config_checks_keys_per_service(tmp_path):
     keys = _curve_keys(tmp_path)
     for service in ("router", "prefill", "decode"):
-        _config().validate_service(service)  # ipc:// needs no keys
+        check_service(_config(), service)  # ipc:// needs no keys
         both = {**_curve_settings("tcp://127.0.0.1:5555", keys), **_worker_key(keys, "decode")}
-        _config(**both).validate_service(service)
+        check_service(_config(**both), service)
     router_only = {k: v for k, v in _curve_settings("tcp://127.0.0.1:5555", keys).items() if "_WORKER_" not in k}
-    _config(**router_only).validate_service("router")  # the router needs no worker's key, and back
+    check_service(_config(**router_only), "router")  # the router needs no worker's key, and back
     with pytest.raises(ConfigError, match="set worker.zmq_secret_key_file and worker.zmq_router_public_key_file"):
-        _config(**router_only).validate_service("decode")
+        check_service(_config(**router_only), "decode")
     public_only = {**router_only, "PDSERVE_ROUTER_ZMQ_SECRET_KEY_FILE": str(keys["certs"] / "router.key")}
     with pytest.raises(ConfigError, match="holds only a public key"):
-        _config(**public_only).validate_service("router")
+        check_service(_config(**public_only), "router")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no public-key certificate"):
-        _config(**{**router_only, "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(tmp_path / "empty")}
-                ).validate_service("router")
+        empty = {**router_only, "PDSERVE_ROUTER_ZMQ_AUTHORIZED_KEYS_DIR": str(tmp_path / "empty")}
+        check_service(_config(**empty), "router")
 
 
 @pytest.mark.parametrize(("metadata", "words"), [
@@ -223,14 +224,14 @@ def test_router_refuses_a_certificate_that_grants_no_worker(tmp_path, metadata, 
     text = (tmp_path / "vague.key").read_text().replace("\nmetadata\n", f"\nmetadata\n{metadata}")
     (keys["admitted"] / "vague.key").write_text(text)
     with pytest.raises(ConfigError, match=f"router.zmq_authorized_keys_dir: .*vague.key.* {re.escape(words)}"):
-        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service("router")
+        check_service(_config(**_curve_settings("tcp://127.0.0.1:5555", keys)), "router")
 
 
 def test_router_refuses_one_key_under_two_certificates(tmp_path):
     keys = _curve_keys(tmp_path)
     shutil.copy(keys["admitted"] / "decode.key", keys["admitted"] / "decode-again.key")
     with pytest.raises(ConfigError, match="hold the same public key"):
-        _config(**_curve_settings("tcp://127.0.0.1:5555", keys)).validate_service("router")
+        check_service(_config(**_curve_settings("tcp://127.0.0.1:5555", keys)), "router")
 
 
 def test_key_policy_permits_only_the_granted_role_and_ids(tmp_path):
@@ -286,11 +287,11 @@ def test_config_checks_tls_and_token(tmp_path):
     with pytest.raises(ConfigError, match="set one"):
         _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE="token", PDSERVE_ROUTER_AUTH_TOKEN="x")
     with pytest.raises(ConfigError, match="router.tls_cert_file: cannot read"):
-        _config(PDSERVE_ROUTER_TLS_CERT_FILE=str(tmp_path / "no.pem"),
-                PDSERVE_ROUTER_TLS_KEY_FILE=str(tmp_path / "no.key")).validate_service("router")
+        check_service(_config(PDSERVE_ROUTER_TLS_CERT_FILE=str(tmp_path / "no.pem"),
+                              PDSERVE_ROUTER_TLS_KEY_FILE=str(tmp_path / "no.key")), "router")
     (tmp_path / "token").write_text("\n")
     with pytest.raises(ConfigError, match="the token is empty"):
-        _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).validate_service("router")
+        check_service(_config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")), "router")
     (tmp_path / "token").write_text(f"{TOKEN}\n")
     assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_token() == TOKEN
     assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_token() == TOKEN

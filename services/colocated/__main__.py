@@ -21,10 +21,11 @@ from services.colocated.notify import JointNotify
 from services.colocated.threads import run_together
 from services.decode.worker import DecodeWorker
 from services.prefill.worker import PrefillWorker
-from shared.config import parse_service_config
 from shared.runtime import metrics
 from shared.runtime.log import configure_logging
-from shared.runtime.process import SystemdNotify, die_with_parent, pin_to_cores, stop_signals
+from shared.runtime.process import SystemdNotify, die_with_parent, stop_signals
+from shared.runtime.service_config import parse_service_config
+from shared.worker.cores import pin_to_cores
 from shared.worker.main import Worker, exit_on_error, load_model
 
 log = structlog.get_logger()

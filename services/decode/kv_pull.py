@@ -24,7 +24,8 @@ import structlog
 from shared.config import KvConfig
 from shared.control import wire
 from shared.control.messages import DecodeTask, KvPoolHandle
-from shared.kv.pool import PagedKvPool, pages_for
+from shared.kv.pages import pages_for
+from shared.kv.pool import PagedKvPool
 from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
 
 log = structlog.get_logger()

@@ -41,17 +41,12 @@ from shared.control.messages import (
 from shared.control.router_link import WorkerLoad
 from shared.kernels import kv_quant
 from shared.kernels.device import on_stream, worker_stream
-from shared.kv.pool import (
-    PageAllocator,
-    PoolExhausted,
-    allocate_local_pool,
-    decode_pages_needed,
-    make_layout,
-    pages_for,
-)
+from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
+from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.transfer import TransferState
 from shared.model.sampling import sample
 from shared.runtime import metrics
+from shared.worker.gpu_telemetry import serve_worker_metrics
 from shared.worker.loop import WorkerLoop
 from shared.worker.main import Worker
 
@@ -103,7 +98,7 @@ class DecodeWorker(WorkerLoop):
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
-        metrics.serve(config.decode.metrics_address, metrics.WORKER, config.model.device)
+        serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
                  stream_priority=stream.priority if stream is not None else None)
 

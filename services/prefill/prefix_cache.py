@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.kv.pool import PageAllocator, PoolExhausted, pages_for
+from shared.kv.pages import PageAllocator, PoolExhausted, pages_for
 
 
 @dataclass(frozen=True)

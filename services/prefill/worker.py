@@ -32,11 +32,13 @@ from shared.control.router_link import WorkerLoad
 from shared.kernels import kv_quant
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.page_keys import page_keys
-from shared.kv.pool import make_layout, pages_for
+from shared.kv.pages import pages_for
+from shared.kv.pool import make_layout
 from shared.kv.transfer import export_pool
 from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
 from shared.runtime import metrics
+from shared.worker.gpu_telemetry import serve_worker_metrics
 from shared.worker.loop import WorkerLoop
 from shared.worker.main import Worker
 
@@ -85,7 +87,7 @@ class PrefillWorker(WorkerLoop):
         if self.use_cache:
             metrics.watch_prefix_cache(lambda: self.cache.num_cached)
         if not colocated:
-            metrics.serve(config.prefill.metrics_address, metrics.WORKER, config.model.device)
+            serve_worker_metrics(config.prefill.metrics_address, config.model.device)
 
     def _compile_prefill_kernels(self) -> None:
         """Runs a two-page prompt, whole and after a cached first page, before registering, so that

@@ -3,9 +3,9 @@
 import uvloop
 
 from services.router.server import serve
-from shared.config import parse_service_config
 from shared.runtime.log import configure_logging
 from shared.runtime.process import die_with_parent
+from shared.runtime.service_config import parse_service_config
 
 
 def main() -> None:

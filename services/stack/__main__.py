@@ -19,8 +19,9 @@ import structlog
 
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import plan_workers
-from shared.config import ConfigError, parse_service_config
+from shared.config import ConfigError
 from shared.runtime.log import configure_logging
+from shared.runtime.service_config import parse_service_config
 
 log = structlog.get_logger()
 

@@ -21,7 +21,7 @@ Key files are zmq.auth certificates (README.md, Security, shows how to make them
     curve
         public-key = "..."
 
-shared/config.py checks the files at load, so these functions only apply them.
+shared/runtime/service_config.py checks the files at start, so these functions only apply them.
 """
 
 from __future__ import annotations
@@ -30,17 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
+from shared.config import RouterConfig, WorkerConfig
 from shared.control.messages import Role
-
-if TYPE_CHECKING:  # shared.config reads the folder through KeyPolicy: no import back at run time
-    from shared.config import RouterConfig, WorkerConfig
 
 METADATA_HELP = ("add `role = prefill` (or decode) and `worker_ids = <ids, comma-separated, globs allowed, "
                  "e.g. decode-*>` under its `metadata` line (README.md, Security)")

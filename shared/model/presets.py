@@ -7,8 +7,6 @@ on the device. Speed depends on shapes, not on the values of the weights.
 
 from __future__ import annotations
 
-import torch
-
 PREFIX = "random:"
 
 LLAMA_3_1_8B = dict(
@@ -49,7 +47,9 @@ def preset_config(path: str):
     return LlamaConfig(**PRESETS[name])
 
 
-def random_hf_model(path: str, dtype: torch.dtype, device: str, seed: int = 0):
+def random_hf_model(path: str, dtype, device: str, seed: int = 0):
+    """dtype: a torch.dtype. torch is imported here, not at the top: the router reads presets too."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

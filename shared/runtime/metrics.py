@@ -23,7 +23,6 @@ from prometheus_client.registry import Collector
 
 from shared.control.messages import ErrorCode, FinishReason, Role
 from shared.control.router_link import WorkerLoad
-from shared.worker.gpu_telemetry import watch_gpu
 
 log = structlog.get_logger()
 
@@ -122,9 +121,9 @@ def _never_raises(update):
     return guarded
 
 
-def serve(address: str, collectors: tuple[Collector, ...], device: str = "cpu") -> WSGIServer | None:
-    """Serves the collectors, with the process's CPU and memory, over HTTP at "host:port"; a
-    worker's device ("cuda:0") adds its GPU's state (shared/worker/gpu_telemetry.py), the CPU nothing.
+def serve(address: str, collectors: tuple[Collector, ...]) -> WSGIServer | None:
+    """Serves the collectors, with the process's CPU and memory, over HTTP at "host:port" (a GPU
+    worker adds its GPU's state: shared/worker/gpu_telemetry.py).
 
     "" serves nothing. A port already taken is logged, not fatal: the service matters more
     than its metrics. Returns the HTTP server, or None.
@@ -135,7 +134,6 @@ def serve(address: str, collectors: tuple[Collector, ...], device: str = "cpu") 
         if collector not in _served:
             REGISTRY.register(collector)
             _served.add(collector)
-    watch_gpu(device, REGISTRY)
     host, _, port = address.rpartition(":")
     try:
         server, _thread = start_http_server(int(port), addr=host.strip("[]"))

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 import pynvml
 import structlog
 import torch
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from shared.runtime import metrics
 
 log = structlog.get_logger()
 
@@ -129,3 +133,11 @@ def watch_gpu(device: str, registry: CollectorRegistry) -> GpuTelemetry | None:
     registry.register(telemetry)
     log.info("gpu telemetry on", device=device, gpu=telemetry.gpu)
     return telemetry
+
+
+def serve_worker_metrics(address: str, device: str) -> WSGIServer | None:
+    """A worker's endpoint: its pages and queues (metrics.WORKER) and, on a GPU, the GPU's state."""
+    server = metrics.serve(address, metrics.WORKER)
+    if server is not None:
+        watch_gpu(device, REGISTRY)
+    return server

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from shared.config import Config, parse_service_config
+from shared.config import Config
 from shared.control.dispatch import FatalError
 from shared.control.messages import ModelFingerprint, Role
 from shared.kernels.device import select_device
@@ -21,7 +21,9 @@ from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoin
 from shared.model.sampling import FinishCheck
 from shared.model.weight_share import map_weights, weights_file
 from shared.runtime.log import configure_logging
-from shared.runtime.process import StopSignals, SystemdNotify, die_with_parent, pin_to_cores, stop_signals
+from shared.runtime.process import StopSignals, SystemdNotify, die_with_parent, stop_signals
+from shared.runtime.service_config import parse_service_config
+from shared.worker.cores import pin_to_cores
 
 log = structlog.get_logger()
 

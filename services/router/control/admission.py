@@ -21,7 +21,7 @@ from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import Worker, WorkerRegistry
 from shared.config import RouterConfig
 from shared.control.messages import ErrorCode, Role
-from shared.kv.pool import decode_pages_needed, pages_for
+from shared.kv.pages import decode_pages_needed, pages_for
 from shared.runtime import metrics
 
 

@@ -1,0 +1,106 @@
+"""A service's config at start: loaded (shared/config.py), then checked against what the service
+itself will read: the CURVE certificates, TLS and token files, the runtime folder.
+
+shared/config.py checks values; this module checks the files they name, because only the service
+that reads a file knows whether it needs it (the router needs its secret key, a worker the
+router's public key). A bad file stops the service at start with a one-line reason, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from shared.config import Config, ConfigError, add_config_arguments, load_config
+from shared.control.curve import KeyPolicy, needs_curve
+from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir
+
+
+def parse_service_config(service: str) -> Config:
+    """A service's config from its command line, or exit 2 with a one-line reason."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    add_config_arguments(parser)
+    try:
+        config = load_config(parser.parse_args())
+        check_service(config, service)
+        prepare_runtime_dir(config.router.runtime_dir)
+        return config
+    except (ConfigError, UnsafePath) as exc:
+        parser.error(str(exc))
+
+
+def check_service(config: Config, service: str) -> None:
+    """The settings and files that service reads: a bad one stops it at start."""
+    _check_colocated(config, service)
+    endpoint = config.router.zmq_endpoint()
+    curve = needs_curve(endpoint)
+    if curve and not zmq.has("curve"):
+        raise ConfigError(f"router.zmq_address {endpoint} needs CURVE, which this libzmq lacks")
+    if service == "router":
+        if curve:
+            _check_router_keys(config)
+        _check_router_files(config)
+    elif curve:
+        worker = config.worker
+        _require_keys("a worker", endpoint, "worker", worker, ("zmq_secret_key_file", "zmq_router_public_key_file"))
+        _check_certificate("worker.zmq_secret_key_file", worker.zmq_secret_key_file, secret=True)
+        _check_certificate("worker.zmq_router_public_key_file", worker.zmq_router_public_key_file, secret=False)
+
+
+def _check_colocated(config: Config, service: str) -> None:
+    if service != "colocated":
+        return
+    if config.decode.weights_from:
+        raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
+                          "decode share one model already")
+    if config.kv.transfer == "nixl":
+        raise ConfigError("kv.transfer nixl does not apply to services.colocated: its decode copies the "
+                          "prefill's pages within the process; use auto")
+    if config.decode.idle_spin_s:
+        raise ConfigError("decode.idle_spin_s must be 0 in services.colocated: a spinning decode thread "
+                          "would hold the GIL its prefill thread needs")
+
+
+def _check_router_keys(config: Config) -> None:
+    router = config.router
+    _require_keys("the router", router.zmq_endpoint(), "router", router,
+                  ("zmq_secret_key_file", "zmq_authorized_keys_dir"))
+    _check_certificate("router.zmq_secret_key_file", router.zmq_secret_key_file, secret=True)
+    if not list(Path(router.zmq_authorized_keys_dir).glob("*.key")):
+        raise ConfigError(f"router.zmq_authorized_keys_dir: {router.zmq_authorized_keys_dir} holds no "
+                          "public-key certificate (*.key): no worker could connect")
+    try:
+        KeyPolicy.from_folder(router.zmq_authorized_keys_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"router.zmq_authorized_keys_dir: {exc}") from None
+
+
+def _check_router_files(config: Config) -> None:
+    router = config.router
+    for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+        path = getattr(router, name)
+        if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
+            raise ConfigError(f"router.{name}: cannot read the file {path}")
+    if (router.auth_token_file or router.auth_token) and not router.bearer_token():
+        source = "auth_token_file" if router.auth_token_file else "auth_token"
+        raise ConfigError(f"router.{source}: the token is empty")
+
+
+def _require_keys(who: str, endpoint: str, section: str, values: object, fields: tuple[str, ...]) -> None:
+    missing = [f"{section}.{name}" for name in fields if not getattr(values, name)]
+    if missing:
+        raise ConfigError(f"router.zmq_address {endpoint} is open to the network, so {who} needs CURVE keys: "
+                          f"set {' and '.join(missing)} (README.md, Security)")
+
+
+def _check_certificate(name: str, path: str, secret: bool) -> None:
+    try:
+        _, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if secret and secret_key is None:
+        raise ConfigError(f"{name}: {path} holds only a public key; give the secret-key certificate (.key_secret)")
