@@ -34,7 +34,8 @@ from loadtest.percentiles import quantile
 from loadtest.report import emit
 from loadtest.workload import RequestSpec
 from services.stack.local import LocalStack
-from shared.model.loader import load_tokenizer, resolve_checkpoint
+from shared.model.loader import resolve_checkpoint
+from shared.model.tokenizer import load_tokenizer
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 PROMPT_LENGTHS = (16, 256, 1024)
@@ -70,7 +71,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def make_prompts(tokenizer, lengths) -> dict[int, list[int]]:
     """Token ids of exactly each length, so the stack and transformers see the same input."""
-    ids = tokenizer(SOURCE_TEXT, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(SOURCE_TEXT, add_special_tokens=False)
     return {n: (ids * (n // len(ids) + 1))[:n] for n in lengths}
 
 

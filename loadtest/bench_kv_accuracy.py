@@ -32,7 +32,8 @@ from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama, load_paged_llama
-from shared.model.loader import load_tokenizer, resolve_checkpoint
+from shared.model.loader import resolve_checkpoint
+from shared.model.tokenizer import load_tokenizer
 
 PAGE_SIZE = 16
 QUANTIZED = ("float8_e4m3", "int8")
@@ -64,9 +65,8 @@ def prompts_for(model_path: str, checkpoint, vocab_size: int, count: int, length
         generator = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
     tokenizer = load_tokenizer(checkpoint)
-    texts = [tokenizer(text)["input_ids"] for text in TEXTS]
-    chats = [list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
-             for chat in CHATS]
+    texts = [tokenizer.encode(text) for text in TEXTS]
+    chats = [tokenizer.encode_chat(chat) for chat in CHATS]
     return (texts + chats)[:count]
 
 

@@ -25,7 +25,8 @@ from services.router.detokenizer import IncrementalText
 from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape, tokenize
 from shared.config import Config
 from shared.model import presets
-from shared.model.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_checkpoint
+from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
+from shared.model.tokenizer import load_tokenizer
 from shared.runtime.log import configure_logging
 from shared.runtime.process import die_with_parent
 from shared.runtime.service_config import parse_service_config

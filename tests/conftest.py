@@ -26,9 +26,10 @@ def checkpoint():
 
 @pytest.fixture(scope="session")
 def tokenizer(checkpoint):
-    from shared.model.loader import load_tokenizer
+    """transformers' own tokenizer: the reference the router's (shared/model/tokenizer.py) must match."""
+    from transformers import AutoTokenizer
 
-    return load_tokenizer(checkpoint)
+    return AutoTokenizer.from_pretrained(str(checkpoint))
 
 
 @pytest.fixture(scope="session")

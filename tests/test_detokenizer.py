@@ -14,10 +14,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="session")
-def tok():
-    from shared.model.loader import load_tokenizer, resolve_checkpoint
-
-    return load_tokenizer(resolve_checkpoint("embedded", "~/.cache/pdserve"))
+def tok(tokenizer):
+    """transformers' tokenizer (tests/conftest.py), for its decode(): the reference text."""
+    return tokenizer
 
 
 def push_all(detok: IncrementalText, ids: list[int]) -> tuple[list[str], bool]:

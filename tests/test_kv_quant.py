@@ -166,7 +166,7 @@ def test_kv_dtype_in_the_config():
 
 def test_workers_of_another_kv_dtype_are_refused():
     def fp(kv_dtype: str) -> ModelFingerprint:
-        return fingerprint.model_fingerprint("random:llama-tiny", _tiny_config(), "bfloat16", 4, 2, 64, 16, kv_dtype)
+        return fingerprint.model_fingerprint("random:llama-tiny", "bfloat16", 4, 2, 64, 16, kv_dtype)
 
     int8, bf16 = fp("int8"), fp("bfloat16")
     assert int8.kv_layout != bf16.kv_layout and "kv_dtype=int8" in int8.kv_layout
@@ -181,12 +181,6 @@ def test_workers_of_another_kv_dtype_are_refused():
     decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "b", 2, 8, 16, None, bf16)
     assert "kv_dtype=bfloat16 instead of" in policy.refusal(decode, None, registry)
     assert policy.refusal(dataclasses.replace(decode, fingerprint=int8), None, registry) == ""
-
-
-def _tiny_config():
-    from shared.model.presets import preset_config
-
-    return preset_config("random:llama-tiny")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -28,7 +28,8 @@ from services.router.frontend import Frontend
 from services.router.validation import ModelLimits
 from shared.config import Config
 from shared.model.fingerprint import checkpoint_fingerprint
-from shared.model.loader import load_hf_config, load_tokenizer, resolve_checkpoint
+from shared.model.loader import config_dict, resolve_checkpoint
+from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
 from shared.runtime.process import SystemdNotify
 
@@ -41,8 +42,8 @@ ADMIN_SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_na
 async def serve(config: Config) -> None:
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
-    hf_config = load_hf_config(checkpoint)
-    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens,
+    model_config = config_dict(checkpoint)
+    limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"], config.defaults.max_tokens,
                          config.router.max_prompt_bytes)
     # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
     os.chmod(config.router.runtime_dir, 0o700)
@@ -54,7 +55,7 @@ async def serve(config: Config) -> None:
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(health_servicer.set(name, status))
 
-    router = TokenRouter(config, checkpoint_fingerprint(checkpoint, hf_config), on_workers_changed)
+    router = TokenRouter(config, checkpoint_fingerprint(checkpoint), on_workers_changed)
     on_workers_changed(False)
     server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),

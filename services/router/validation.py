@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from shared.config import RouterConfig
 from shared.control.messages import SamplingParams, StopParams
+from shared.model.tokenizer import ServingTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 MAX_STOP_STRINGS = 16
@@ -123,13 +124,11 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
     _stop_strings(request)
 
 
-def tokenize(request: GenerateInput, tokenizer) -> list[int]:
+def tokenize(request: GenerateInput, tokenizer: ServingTokenizer) -> list[int]:
     if request.prompt is not None:
-        return tokenizer(request.prompt)["input_ids"]
+        return tokenizer.encode(request.prompt)
     if request.messages:
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
     return list(request.prompt_token_ids)
 
 

@@ -14,15 +14,17 @@ from pathlib import Path
 
 from shared.control.messages import ModelFingerprint
 from shared.model import presets
+from shared.model.loader import config_dict
 
 SAMPLE_BYTES = 1 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def checkpoint_fingerprint(checkpoint: Path | str, hf_config) -> tuple[str, str, str]:
-    """(config_sha, weights_sha, tokenizer_sha) of a checkpoint folder or a random preset."""
-    config_sha = _sha(json.dumps(hf_config.to_dict(), sort_keys=True, default=str).encode())
+def checkpoint_fingerprint(checkpoint: Path | str) -> tuple[str, str, str]:
+    """(config_sha, weights_sha, tokenizer_sha) of a checkpoint folder or a random preset. The
+    config is hashed as its file says it (loader.config_dict), so the router needs no transformers."""
+    config_sha = _sha(json.dumps(config_dict(checkpoint), sort_keys=True).encode())
     if presets.is_random(str(checkpoint)):  # random weights are seeded: the preset's name is their identity
         return config_sha, _sha(str(checkpoint).encode()), _sha(str(checkpoint).encode())
     folder = Path(checkpoint)
@@ -41,12 +43,12 @@ def checkpoint_fingerprint(checkpoint: Path | str, hf_config) -> tuple[str, str,
     return config_sha, weights.hexdigest(), tokenizer.hexdigest()
 
 
-def model_fingerprint(checkpoint: Path | str, hf_config, dtype: str, num_layers: int, num_kv_heads: int,
+def model_fingerprint(checkpoint: Path | str, dtype: str, num_layers: int, num_kv_heads: int,
                       head_dim: int, page_size: int, kv_dtype: str) -> ModelFingerprint:
     """dtype: the activations'; kv_dtype: the KV cache's format (kv.dtype)."""
     kv_layout = (f"layers={num_layers} kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
                  f"kv_dtype={kv_dtype}")
-    return ModelFingerprint(*checkpoint_fingerprint(checkpoint, hf_config), dtype, kv_layout)
+    return ModelFingerprint(*checkpoint_fingerprint(checkpoint), dtype, kv_layout)
 
 
 def differences(ours: ModelFingerprint, theirs: ModelFingerprint) -> list[str]:

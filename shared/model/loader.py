@@ -1,6 +1,7 @@
 """Find and load a model: the embedded SmolLM2 GGUF, a .gguf file, or a Hugging Face folder.
 
-transformers reads the config, tokenizer and weights. A GGUF file is converted once into a
+The workers read the config and weights with transformers; the router reads config.json as JSON
+and the tokenizer with shared/model/tokenizer.py, since transformers imports torch. A GGUF file is converted once into a
 plain safetensors checkpoint in the cache folder, because dequantizing it costs ~20 s at every
 process start and both workers load the model.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -86,6 +88,14 @@ def _convert(gguf: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def config_dict(checkpoint: Path | str) -> dict:
+    """The checkpoint's config.json (or the preset's fields) as plain JSON, without transformers:
+    what the router reads and what the fingerprint hashes."""
+    if presets.is_random(str(checkpoint)):
+        return dict(presets.PRESETS[presets.preset_name(str(checkpoint))])
+    return json.loads((Path(checkpoint) / "config.json").read_text())
+
+
 def load_hf_config(checkpoint: Path | str):
     from transformers import AutoConfig
 
@@ -95,17 +105,6 @@ def load_hf_config(checkpoint: Path | str):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")
     return config
-
-
-def load_tokenizer(checkpoint: Path | str):
-    from transformers import AutoTokenizer
-
-    if presets.is_random(str(checkpoint)):
-        return presets.synthetic_tokenizer(presets.preset_config(str(checkpoint)))
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    if not tokenizer.is_fast:
-        raise ValueError("pdserve needs a fast (Rust) tokenizer for incremental detokenization")
-    return tokenizer
 
 
 def eos_token_ids(config, tokenizer=None) -> list[int]:

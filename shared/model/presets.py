@@ -38,13 +38,17 @@ def is_random(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def preset_config(path: str):
-    from transformers import LlamaConfig
-
+def preset_name(path: str) -> str:
     name = path.removeprefix(PREFIX)
     if name not in PRESETS:
         raise ValueError(f"unknown random model {name!r}; presets: {sorted(PRESETS)}")
-    return LlamaConfig(**PRESETS[name])
+    return name
+
+
+def preset_config(path: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**PRESETS[preset_name(path)])
 
 
 def random_hf_model(path: str, dtype, device: str, seed: int = 0):
@@ -56,15 +60,3 @@ def random_hf_model(path: str, dtype, device: str, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(preset_config(path), dtype=dtype)
     return model.eval()
-
-
-def synthetic_tokenizer(config):
-    """A word-level tokenizer whose token i is the word `<i>`, for random-weight models: the router
-    can then tokenize and detokenize their ids like any other model's."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(config.vocab_size)}, unk_token="<0>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"<{config.eos_token_id}>",
-                                   bos_token=f"<{config.bos_token_id}>", unk_token="<0>")

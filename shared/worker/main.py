@@ -67,7 +67,7 @@ def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, Fini
     else:
         model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
     log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers)
-    fingerprint = model_fingerprint(checkpoint, hf_config, str(model.embed.dtype).removeprefix("torch."),
+    fingerprint = model_fingerprint(checkpoint, str(model.embed.dtype).removeprefix("torch."),
                                     model.num_layers, model.num_kv_heads, model.head_dim, config.kv.page_size,
                                     config.kv.dtype)
     return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint
