@@ -1,16 +1,19 @@
-"""Process lifecycle: `make run`'s launcher stops cleanly, and bad frames do not hurt the router."""
+"""Process lifecycle: `make run`'s launcher stops cleanly, bad frames do not hurt the router, and a
+router whose background loop dies exits non-zero instead of running on without it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from tests.stack import ServiceStack
+from tests.stack import REPO, ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -68,6 +71,27 @@ def test_router_survives_garbage_frames(stack):
     chunks = list(stack.stub.Generate(request, timeout=60))
     assert sum(len(c.token_ids) for c in chunks) == 2
     assert "malformed" in stack.log_path("router").read_text()
+
+
+# The router, with its liveness check made to raise: the token router's timeouts loop dies at its first tick.
+ROUTER_WITH_A_DYING_LOOP = """
+from services.router.control.membership import Membership
+def drop_silent(self): raise RuntimeError("injected")
+Membership.drop_silent = drop_silent
+from services.router.__main__ import main
+main()
+"""
+
+
+def test_a_dead_background_loop_stops_the_router_with_a_non_zero_exit(tmp_path, checkpoint):
+    stack = ServiceStack(tmp_path, os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve"), services=("router",))
+    log_path = stack.log_path("router")
+    with log_path.open("w") as log:
+        router = subprocess.run([sys.executable, "-c", ROUTER_WITH_A_DYING_LOOP], cwd=REPO, env=stack.env,
+                                stdout=log, stderr=subprocess.STDOUT, timeout=120)
+    lines = log_path.read_text()
+    assert router.returncode == 1, lines
+    assert "background task failed" in lines and "injected" in lines
 
 
 def test_services_speak_systemds_notify_protocol(tmp_path, checkpoint):

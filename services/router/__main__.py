@@ -1,5 +1,7 @@
 """python -m services.router: the gRPC front and ZeroMQ token router."""
 
+import sys
+
 import uvloop
 
 from services.router.server import serve
@@ -12,7 +14,7 @@ def main() -> None:
     die_with_parent()
     config = parse_service_config("router")
     configure_logging("router", "router", config.log.format, config.log.level)
-    uvloop.run(serve(config))
+    sys.exit(uvloop.run(serve(config)))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ HTTP API, over one request path (frontend.py) and the token router, all on one e
 
 Health is SERVING only while at least one prefill and one decode are registered. Shutdown goes
 the gRPC way: health NOT_SERVING, both fronts stop taking calls and let in-flight streams finish
-for the grace period, then the token router stops and fails the rest explicitly.
+for the grace period, then the token router stops and fails the rest explicitly. A stop signal
+starts it, and so does a background task that dies (shared/runtime/tasks.py): then serve()
+returns 1, so that the process exits non-zero and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shared.model.loader import config_dict, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
 from shared.runtime.process import SystemdNotify
+from shared.runtime.tasks import ServiceStop, spawn
 
 log = structlog.get_logger()
 
@@ -39,7 +42,8 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 ADMIN_SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config) -> int:
+    """Serves until a stop signal or a failed background task; returns the process's exit code."""
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
@@ -49,13 +53,14 @@ async def serve(config: Config) -> None:
     os.chmod(config.router.runtime_dir, 0o700)
 
     health_servicer = health.aio.HealthServicer()
+    stop = ServiceStop()
 
     def on_workers_changed(serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            asyncio.ensure_future(health_servicer.set(name, status))
+            spawn(health_servicer.set(name, status), "health", stop.fail)
 
-    router = TokenRouter(config, checkpoint_fingerprint(checkpoint), on_workers_changed)
+    router = TokenRouter(config, checkpoint_fingerprint(checkpoint), on_workers_changed, stop.fail)
     on_workers_changed(False)
     server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
@@ -80,29 +85,29 @@ async def serve(config: Config) -> None:
     await router.start()
     await server.start()
     if http is not None:
-        http.start()
+        http.start(stop.fail)
     metrics.serve(config.router.metrics_address, metrics.ROUTER)
     log.info("router serving", grpc=config.router.grpc_address, http=config.router.http_address,
              zmq=config.router.zmq_endpoint())
 
-    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, stop.request)
     notify = SystemdNotify()
     notify.ready()
-    while not stopping.is_set():  # the watchdog pings stop if the event loop hangs
+    while not stop.requested.is_set():  # the watchdog pings stop if the event loop hangs
         notify.watchdog()
         try:
-            await asyncio.wait_for(stopping.wait(), timeout=1.0)
+            await asyncio.wait_for(stop.requested.wait(), timeout=1.0)
         except TimeoutError:
             pass
 
     notify.stopping()
-    log.info("router stopping", grace_s=config.router.grace_period_s)
+    log.info("router stopping", grace_s=config.router.grace_period_s, failed=stop.failure is not None)
     await health_servicer.enter_graceful_shutdown()
     # Both fronts drain at once, each within the grace period; the token router goes last, so that
     # no front hands it a request after it stopped.
     await asyncio.gather(server.stop(config.router.grace_period_s), *([http.stop()] if http else []))
     await router.stop()
-    log.info("router stopped")
+    log.info("router stopped", exit_code=stop.exit_code)
+    return stop.exit_code

@@ -16,6 +16,7 @@ import structlog
 import uvicorn
 
 from shared.config import RouterConfig
+from shared.runtime.tasks import OnFailure, spawn
 
 log = structlog.get_logger()
 
@@ -47,12 +48,13 @@ class HttpServer:
             timeout_graceful_shutdown=router.grace_period_s))
         self.task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    def start(self, on_failure: OnFailure) -> None:
+        """on_failure: called if uvicorn dies with an exception (shared/runtime/tasks.py)."""
         listener = _bind(self.address)
-        self.task = asyncio.create_task(self.server.serve(sockets=[listener]))
+        self.task = spawn(self.server.serve(sockets=[listener]), "http", on_failure)
         log.info("http serving", address=self.address, tls=self.server.config.ssl_certfile is not None)
 
     async def stop(self) -> None:
         """Stops taking connections, lets requests in flight finish within the grace period, cancels the rest."""
         self.server.should_exit = True
-        await self.task
+        await asyncio.wait([self.task])  # an exception of its went to on_failure already

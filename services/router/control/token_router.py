@@ -45,6 +45,7 @@ from shared.control.messages import (
     TokenBatch,
 )
 from shared.runtime import metrics
+from shared.runtime.tasks import OnFailure, spawn
 
 log = structlog.get_logger()
 
@@ -58,9 +59,11 @@ class Handoff:
 
 
 class TokenRouter:
-    def __init__(self, config: Config, checkpoint: tuple[str, str, str], on_workers_changed: Callable[[bool], None]):
+    def __init__(self, config: Config, checkpoint: tuple[str, str, str], on_workers_changed: Callable[[bool], None],
+                 on_failure: OnFailure):
         """checkpoint: the (config, weights, tokenizer) hashes of the router's own copy of the model
-        (shared/model/fingerprint.py); every worker's must equal them."""
+        (shared/model/fingerprint.py); every worker's must equal them. on_failure: called when a
+        background loop dies (shared/runtime/tasks.py), to stop the router."""
         self.config = config
         self.checkpoint = checkpoint
         self.settings = config.router
@@ -71,6 +74,7 @@ class TokenRouter:
         self.handoffs: dict[str, Handoff] = {}
         metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission.waiting))
         self._on_workers_changed = on_workers_changed
+        self._on_failure = on_failure
         self.socket = WorkerSocket(config.router)
         self.membership = Membership(self.registry, self.socket, config.router, self._on_worker_lost,
                                      self._workers_changed, self._awaiting_release)
@@ -83,8 +87,8 @@ class TokenRouter:
     async def start(self) -> None:
         security = self.socket.bind()
         self.membership.registration = RegistrationPolicy(self.config.kv.page_size, self.checkpoint, security)
-        self._tasks = [asyncio.create_task(self.socket.receive_loop(self._on_message)),
-                       asyncio.create_task(self._timeouts_loop())]
+        self._tasks = [spawn(self.socket.receive_loop(self._on_message), "worker socket", self._on_failure),
+                       spawn(self._timeouts_loop(), "timeouts", self._on_failure)]
         log.info("token router started", epoch=self.membership.epoch)
 
     async def stop(self) -> None:
