@@ -197,14 +197,14 @@ def decode(tmp_path):
     from services.decode.worker import DecodeWorker
     from shared.config import load_config
     from shared.runtime.process import StopSignals, SystemdNotify
-    from shared.worker.main import Worker, load_model
+    from shared.worker.main import WorkerProcess, load_model
 
     config = load_config(None, {"PDSERVE_MODEL_PATH": "random:llama-tiny", "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path),
                                 "PDSERVE_DECODE_METRICS_ADDRESS": "", "PDSERVE_KV_PAGE_SIZE": str(PAGE_SIZE),
                                 "PDSERVE_KV_DECODE_PAGES": "16", "PDSERVE_KV_TRANSFER_TIMEOUT_S": "0.3"})
     # What start_worker builds, without its signal handlers and pinning.
-    worker = DecodeWorker(Worker(config, *load_model(config), StopSignals(threading.Event(), threading.Event()),
-                                 SystemdNotify()))
+    worker = DecodeWorker(WorkerProcess(config, *load_model(config), StopSignals(threading.Event(), threading.Event()),
+                                        SystemdNotify()))
     worker.link.close(linger_s=0)
     worker.link = SentMessages()
     yield worker

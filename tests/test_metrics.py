@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generation_pb2
-from services.router.control.worker_records import Worker
+from services.router.control.worker_records import WorkerRecord
 from shared.config import ConfigError, load_config
 from shared.control.messages import FinishReason, ModelFingerprint, Role
 from shared.runtime import metrics
@@ -85,8 +85,8 @@ def test_request_timer_counts_one_outcome_and_never_raises(registry):
 
 
 def test_routed_worker_gauges_read_live_values_and_go_with_their_worker(registry):
-    worker = Worker("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, pool_handles=[],
-                    fingerprint=ModelFingerprint("c", "w", "t", "float32", "layers=1"), free_pages=7)
+    worker = WorkerRecord("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, pool_handles=[],
+                          fingerprint=ModelFingerprint("c", "w", "t", "float32", "layers=1"), free_pages=7)
     worker.reservations["r1"] = 2
     metrics.watch_routed(worker)
     labels = {"worker_id": "decode-t", "role": "decode"}

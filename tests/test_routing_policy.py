@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.router.control.request import InflightRequest
 from services.router.control.routing import RoutingPolicy
-from services.router.control.worker_records import Worker, WorkerRegistry
+from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.validation import Job
 from shared.config import RoutingConfig
 from shared.control.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
@@ -14,8 +14,8 @@ PAGE = 16
 FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 
 
-def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> Worker:
-    return Worker(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
+def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> WorkerRecord:
+    return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
 
 
 def _request(tokens: list[int], max_tokens: int = 8) -> InflightRequest:

@@ -26,7 +26,7 @@ from shared.runtime.log import configure_logging
 from shared.runtime.process import SystemdNotify, die_with_parent, stop_signals
 from shared.runtime.service_config import parse_service_config
 from shared.worker.cores import pin_to_cores
-from shared.worker.main import Worker, exit_on_error, load_model
+from shared.worker.main import WorkerProcess, exit_on_error, load_model
 
 log = structlog.get_logger()
 
@@ -45,8 +45,9 @@ def main() -> None:
     model, finish, fingerprint = load_model(config)
     notify = JointNotify(SystemdNotify(), ("prefill", "decode"))
     # The decode first: the prefill's constructor exports its pool, which only its run() closes.
-    decode = DecodeWorker(Worker(config, model, finish, fingerprint, stop, notify.member("decode")))
-    prefill = PrefillWorker(Worker(config, model, finish, fingerprint, stop, notify.member("prefill")), colocated=True)
+    decode = DecodeWorker(WorkerProcess(config, model, finish, fingerprint, stop, notify.member("decode")))
+    prefill = PrefillWorker(WorkerProcess(config, model, finish, fingerprint, stop, notify.member("prefill")),
+                            colocated=True)
     metrics.watch_workers([prefill.load, decode.load])
     if model.device.type == "cuda":  # the workers' own streams do not wait for the default one they were built on
         torch.cuda.synchronize(model.device)

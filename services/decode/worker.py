@@ -48,7 +48,7 @@ from shared.model.sampling import sample
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
 from shared.worker.loop import WorkerLoop
-from shared.worker.main import Worker
+from shared.worker.main import WorkerProcess
 
 log = structlog.get_logger()
 
@@ -69,7 +69,7 @@ class WeightsOwnerGone(FatalError):
 class DecodeWorker(WorkerLoop):
     role = Role.DECODE
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: WorkerProcess):
         config, model = worker.config, worker.model
         self.model = model
         self.finish = worker.finish

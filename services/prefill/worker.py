@@ -40,7 +40,7 @@ from shared.model.weight_share import publish_weights, weights_file
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
 from shared.worker.loop import WorkerLoop
-from shared.worker.main import Worker
+from shared.worker.main import WorkerProcess
 
 log = structlog.get_logger()
 
@@ -56,7 +56,7 @@ class Queued:
 class PrefillWorker(WorkerLoop):
     role = Role.PREFILL
 
-    def __init__(self, worker: Worker, colocated: bool = False):
+    def __init__(self, worker: WorkerProcess, colocated: bool = False):
         """colocated: a decode runs in this process on the same model (services/colocated), so no
         other process maps the weights, and the decode's metrics endpoint serves this process."""
         config, model = worker.config, worker.model

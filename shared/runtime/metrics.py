@@ -175,8 +175,8 @@ def watch_prefix_cache(cached_pages: Callable[[], int]) -> None:
 
 @_never_raises
 def watch_routed(worker) -> None:
-    """A worker as the router sees it (services/router/workers.Worker): its pages as last reported,
-    what the router promised away, and the load that routing weighs."""
+    """A worker as the router sees it (services/router/control/worker_records.WorkerRecord): its
+    pages as last reported, what the router promised away, and the load that routing weighs."""
     labels = (worker.worker_id, worker.role)
     watch_pages(*labels, worker.total_pages, lambda: worker.free_pages)
     KV_PAGES_RESERVED.labels(*labels).set_function(lambda: worker.reserved_pages)

@@ -29,7 +29,7 @@ from shared.control.dispatch import Dispatcher
 from shared.control.messages import PROTOCOL_VERSION, Drain, Drained, Draining, KvPoolHandle, Register, Role
 from shared.control.router_link import RouterLink, WorkerLoad
 from shared.kernels.device import on_stream
-from shared.worker.main import Worker
+from shared.worker.main import WorkerProcess
 
 log = structlog.get_logger()
 
@@ -37,7 +37,7 @@ log = structlog.get_logger()
 class WorkerLoop(abc.ABC):
     role: Role
 
-    def __init__(self, worker: Worker, worker_id: str, total_pages: int, page_size: int,
+    def __init__(self, worker: WorkerProcess, worker_id: str, total_pages: int, page_size: int,
                  pool_handles: list[KvPoolHandle], handlers: dict[type, Callable[[object], None]],
                  stream: torch.cuda.Stream | None):
         self.worker_id = worker_id

@@ -31,7 +31,8 @@ WEIGHTS_WAIT_S = 600.0  # the prefill may still be loading a large model
 
 
 @dataclass
-class Worker:
+class WorkerProcess:
+    """What a started worker process holds, for the prefill or decode worker built on it."""
     config: Config
     model: PagedLlama
     finish: FinishCheck
@@ -40,7 +41,7 @@ class Worker:
     notify: SystemdNotify
 
 
-def start_worker(role: Role) -> Worker:
+def start_worker(role: Role) -> WorkerProcess:
     """The role's config section names the worker id and cores."""
     die_with_parent()
     config = parse_service_config(role.value)
@@ -50,7 +51,7 @@ def start_worker(role: Role) -> Worker:
     cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
     model, finish, fingerprint = load_model(config, getattr(section, "weights_from", ""))
     log.info("model ready", cores=cores)
-    return Worker(config, model, finish, fingerprint, stop, SystemdNotify())
+    return WorkerProcess(config, model, finish, fingerprint, stop, SystemdNotify())
 
 
 def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:

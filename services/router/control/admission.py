@@ -2,7 +2,7 @@
 
 Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages on the decode
 before the prefill starts, so a finished prefill never waits for decode room. Reservations live
-on the workers' records (Worker.reservations) and go back when the workers are done with them:
+on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:
 the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
 when the request fails; admit_waiting() then places whoever waits. The waiting line is bounded in
 length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
@@ -18,7 +18,7 @@ from typing import Callable
 
 from services.router.control.request import InflightRequest, RequestError
 from services.router.control.routing import RoutingPolicy
-from services.router.control.worker_records import Worker, WorkerRegistry
+from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from shared.config import RouterConfig
 from shared.control.messages import ErrorCode, Role
 from shared.kv.pages import decode_pages_needed, pages_for
@@ -81,7 +81,7 @@ class Admission:
                 return
 
     @staticmethod
-    def release(worker: Worker | None, request: InflightRequest) -> bool:
+    def release(worker: WorkerRecord | None, request: InflightRequest) -> bool:
         """Gives the request's reservation on that worker back; False if it held none there."""
         if worker is None:
             return False
@@ -116,7 +116,7 @@ class Admission:
         self.on_placed(request)
         return True
 
-    def _reserve_prefill(self, request: InflightRequest, prefill: Worker, pages: int) -> None:
+    def _reserve_prefill(self, request: InflightRequest, prefill: WorkerRecord, pages: int) -> None:
         request.prefill = prefill
         prefill.reservations[request.request_id] = pages
         prefill.pending_tokens[request.request_id] = self.policy.tokens_to_compute(prefill, request)

@@ -26,7 +26,7 @@ from typing import Callable
 import structlog
 
 from services.router.control.registration import RegistrationPolicy
-from services.router.control.worker_records import Worker, WorkerRegistry
+from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
 from shared.config import RouterConfig
 from shared.control.messages import (
@@ -57,12 +57,12 @@ class Peer:
     registered on that connection with that key, if any."""
     identity: bytes
     user_id: str | None
-    worker: Worker | None
+    worker: WorkerRecord | None
 
 
 class Membership:
     def __init__(self, registry: WorkerRegistry, socket: WorkerSocket, settings: RouterConfig,
-                 on_worker_lost: Callable[[Worker, str], None], on_workers_changed: Callable[[bool], None],
+                 on_worker_lost: Callable[[WorkerRecord, str], None], on_workers_changed: Callable[[bool], None],
                  awaiting_release: Callable[[str], set[str]]):
         self.registry = registry
         self.socket = socket
@@ -114,7 +114,7 @@ class Membership:
             if self.registry.workers.get(worker.worker_id) is worker:
                 self.drop(worker, f"worker {worker.worker_id} is unreachable")
 
-    def drop(self, worker: Worker, reason: str) -> None:
+    def drop(self, worker: WorkerRecord, reason: str) -> None:
         log.warning("dropping worker", worker=worker.worker_id, reason=reason, requests=len(worker.reservations))
         self.registry.remove(worker)  # a no-op for a record a new registration already replaced
         metrics.forget_pages(worker.worker_id, worker.role)  # a replacement registers its own right after

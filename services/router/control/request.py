@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.router.control.worker_records import Worker
+from services.router.control.worker_records import WorkerRecord
 from services.router.validation import Job
 from shared.control.messages import ErrorCode, FinishReason
 from shared.kv.page_keys import page_keys
@@ -97,8 +97,8 @@ class InflightRequest:
     request_id: str = field(default_factory=new_request_id)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stage: Stage = Stage.ADMITTING
-    prefill: Worker | None = None  # once placed
-    decode: Worker | None = None
+    prefill: WorkerRecord | None = None  # once placed
+    decode: WorkerRecord | None = None
     timings: StageTimings = field(default_factory=StageTimings)
     clock: HandoffClock = field(default_factory=HandoffClock)
     submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
@@ -119,7 +119,7 @@ class InflightRequest:
             self._page_keys = page_keys(self.job.prompt_token_ids, page_size)
         return self._page_keys
 
-    def holder(self) -> Worker | None:
+    def holder(self) -> WorkerRecord | None:
         """The worker that has the request in its current stage."""
         return {Stage.PREFILL: self.prefill, Stage.DECODE: self.decode}.get(self.stage)
 

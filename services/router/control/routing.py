@@ -17,7 +17,7 @@ already failed on are not candidates, nor is a pair whose decode cannot pull fro
 from __future__ import annotations
 
 from services.router.control.request import InflightRequest
-from services.router.control.worker_records import Worker
+from services.router.control.worker_records import WorkerRecord
 from shared.config import RoutingConfig
 
 
@@ -26,7 +26,7 @@ class RoutingPolicy:
         self.config = config
         self.page_size = page_size
 
-    def tokens_to_compute(self, worker: Worker, request: InflightRequest) -> int:
+    def tokens_to_compute(self, worker: WorkerRecord, request: InflightRequest) -> int:
         """The prompt tokens this prefill would compute, its cached prefix left out."""
         prompt_tokens = len(request.job.prompt_token_ids)
         if not self.config.prefix_aware:
@@ -38,11 +38,11 @@ class RoutingPolicy:
             cached += self.page_size
         return prompt_tokens - min(cached, (prompt_tokens - 1) // self.page_size * self.page_size)
 
-    def decode_cost(self, worker: Worker) -> float:
+    def decode_cost(self, worker: WorkerRecord) -> float:
         promised = worker.reserved_pages / worker.total_pages if worker.total_pages else 1.0
         return len(worker.reservations) + self.config.decode_kv_weight * promised
 
-    def pick_prefill(self, workers: list[Worker], request: InflightRequest, pages: int) -> Worker | None:
+    def pick_prefill(self, workers: list[WorkerRecord], request: InflightRequest, pages: int) -> WorkerRecord | None:
         candidates = self._candidates(workers, request, pages)
         queues = [w.pending_prompt_tokens for w in candidates]
         if candidates and max(queues) - min(queues) > self.config.balance_tokens:
@@ -51,8 +51,8 @@ class RoutingPolicy:
         return min(candidates, default=None, key=lambda w: (
             w.pending_prompt_tokens + weight * self.tokens_to_compute(w, request), -w.room))
 
-    def pick_pair(self, prefills: list[Worker], decodes: list[Worker], request: InflightRequest,
-                  prefill_pages: int, decode_pages: int) -> tuple[Worker, Worker] | None:
+    def pick_pair(self, prefills: list[WorkerRecord], decodes: list[WorkerRecord], request: InflightRequest,
+                  prefill_pages: int, decode_pages: int) -> tuple[WorkerRecord, WorkerRecord] | None:
         """The prefill by its cost among those some decode with room can pull from, then the
         cheapest decode that can pull from it."""
         decodes = self._candidates(decodes, request, decode_pages)
@@ -62,10 +62,10 @@ class RoutingPolicy:
         return (prefill, decode) if decode is not None else None
 
     @staticmethod
-    def reachable(prefills: list[Worker], decodes: list[Worker]) -> list[Worker]:
+    def reachable(prefills: list[WorkerRecord], decodes: list[WorkerRecord]) -> list[WorkerRecord]:
         """The prefills at least one of these decodes can pull from."""
         return [p for p in prefills if any(p.worker_id not in d.unreachable for d in decodes)]
 
     @staticmethod
-    def _candidates(workers: list[Worker], request: InflightRequest, pages: int) -> list[Worker]:
+    def _candidates(workers: list[WorkerRecord], request: InflightRequest, pages: int) -> list[WorkerRecord]:
         return [w for w in workers if not w.draining and w.room >= pages and w.worker_id not in request.failed_on]

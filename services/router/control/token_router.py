@@ -28,7 +28,7 @@ from services.router.control.membership import Membership, Peer
 from services.router.control.registration import RegistrationPolicy
 from services.router.control.request import ErrorEvent, InflightRequest, Stage, TokenEvent
 from services.router.control.routing import RoutingPolicy
-from services.router.control.worker_records import Worker, WorkerRegistry
+from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
 from shared.config import Config
 from shared.control.dispatch import Dispatcher
@@ -153,7 +153,8 @@ class TokenRouter:
             request.events.put_nowait(event)
         self.admission.admit_waiting()
 
-    def _fail(self, request: InflightRequest, code: ErrorCode, message: str, failed: Worker | None = None) -> None:
+    def _fail(self, request: InflightRequest, code: ErrorCode, message: str,
+              failed: WorkerRecord | None = None) -> None:
         """Ends the request with that error, unless `failed` is the prefill it has not had its first
         token from yet: then it gets another prefill, once."""
         if request.ended():
@@ -214,7 +215,7 @@ class TokenRouter:
     def _awaiting_release(self, prefill_id: str) -> set[str]:
         return {request_id for request_id, h in self.handoffs.items() if h.prefill_id == prefill_id}
 
-    def _on_worker_lost(self, worker: Worker, reason: str) -> None:
+    def _on_worker_lost(self, worker: WorkerRecord, reason: str) -> None:
         for request_id in list(worker.reservations):
             request = self.requests.get(request_id)
             if request is not None:

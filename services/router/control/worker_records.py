@@ -9,7 +9,8 @@ from shared.control.messages import Heartbeat, KvCacheEvents, KvPoolHandle, Mode
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerRecord:
+    """The router's record of one registered worker (the worker itself is another process)."""
     worker_id: str
     role: Role
     identity: bytes           # the ZeroMQ routing id of its connection, learnt at registration
@@ -51,9 +52,10 @@ class Worker:
 
 class WorkerRegistry:
     def __init__(self) -> None:
-        self.workers: dict[str, Worker] = {}
+        self.workers: dict[str, WorkerRecord] = {}
 
-    def register(self, identity: bytes, user_id: str | None, message: Register) -> tuple[Worker, Worker | None]:
+    def register(self, identity: bytes, user_id: str | None,
+                 message: Register) -> tuple[WorkerRecord, WorkerRecord | None]:
         """Returns the worker's record and the record it replaces, if any: a new process, or one
         that registers again because the router forgot it, and so holds nothing it was given. A
         Register repeated on the same connection by the same process (an answer was slow) keeps
@@ -61,8 +63,9 @@ class WorkerRegistry:
         old = self.workers.get(message.worker_id)
         if old is not None and old.incarnation == message.incarnation and old.identity == identity:
             return old, old
-        worker = Worker(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
-                        message.total_pages, message.pool_handles, message.fingerprint, free_pages=message.total_pages)
+        worker = WorkerRecord(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
+                              message.total_pages, message.pool_handles, message.fingerprint,
+                              free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
             for decode in self.of_role(Role.DECODE):
@@ -70,33 +73,33 @@ class WorkerRegistry:
         return worker, old
 
     @staticmethod
-    def cache_changed(prefill: Worker, message: KvCacheEvents) -> None:
+    def cache_changed(prefill: WorkerRecord, message: KvCacheEvents) -> None:
         """What the prefill's prefix cache holds now, by its own events."""
         if message.cleared:
             prefill.cached_keys.clear()
         prefill.cached_keys.difference_update(message.evicted)
         prefill.cached_keys.update(message.stored)
 
-    def by_identity(self, identity: bytes) -> Worker | None:
+    def by_identity(self, identity: bytes) -> WorkerRecord | None:
         return next((w for w in self.workers.values() if w.identity == identity), None)
 
-    def heartbeat(self, worker: Worker, message: Heartbeat) -> None:
+    def heartbeat(self, worker: WorkerRecord, message: Heartbeat) -> None:
         worker.last_seen = time.monotonic()
         worker.free_pages, worker.running, worker.waiting = message.free_pages, message.running, message.waiting
         worker.stalled_s = message.stalled_s
 
-    def remove(self, worker: Worker) -> None:
+    def remove(self, worker: WorkerRecord) -> None:
         if self.workers.get(worker.worker_id) is worker:
             del self.workers[worker.worker_id]
 
-    def silent_since(self, timeout_s: float) -> list[Worker]:
+    def silent_since(self, timeout_s: float) -> list[WorkerRecord]:
         deadline = time.monotonic() - timeout_s
         return [w for w in self.workers.values() if w.last_seen < deadline]
 
-    def of_role(self, role: Role) -> list[Worker]:
+    def of_role(self, role: Role) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def serving(self, role: Role) -> list[Worker]:
+    def serving(self, role: Role) -> list[WorkerRecord]:
         """The workers of that role that take new work."""
         return [w for w in self.of_role(role) if not w.draining]
 

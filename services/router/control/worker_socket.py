@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from services.router.control.registration import version_refusal
-from services.router.control.worker_records import Worker
+from services.router.control.worker_records import WorkerRecord
 from shared.config import RouterConfig
 from shared.control import wire
 from shared.control.curve import CurveServer, secure_server
@@ -31,7 +31,7 @@ class WorkerSocket:
     def __init__(self, settings: RouterConfig):
         self.settings = settings
         self.security: CurveServer | None = None  # made in bind(); None on ipc://
-        self.unreachable: set[Worker] = set()
+        self.unreachable: set[WorkerRecord] = set()
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         # A send to a connection that is gone raises instead of vanishing: the request fails now,
@@ -56,7 +56,7 @@ class WorkerSocket:
             self.security.stop()
         self._context.term()
 
-    def send(self, worker: Worker, message: object) -> None:
+    def send(self, worker: WorkerRecord, message: object) -> None:
         try:
             self._sender.send_multipart([worker.identity, wire.encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is gone (ROUTER_MANDATORY)
