@@ -53,8 +53,8 @@ class ModelConfig:
     dtype: str = field(default="float32", metadata=_check(  # float32 on the CPU; bfloat16 on a GPU
         lambda v: v in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16"))
     device: str = "cpu"
-    # Where a GGUF file is converted once into a safetensors checkpoint (GGUF dequantization
-    # costs ~20 s per process start).
+    # Where a GGUF file is converted once into a safetensors checkpoint, so that no process start
+    # pays for dequantizing it (docs/BENCHMARKS.md, "Model loading").
     cache_dir: str = "~/.cache/pdserve"
 
 
@@ -75,7 +75,7 @@ class RouterConfig:
     heartbeat_timeout_s: float = _positive(default=3.0)
     # A worker whose main loop has not come round for this long (a hung kernel, a deadlock) is
     # dropped even though its heartbeat thread still beats. It must exceed the longest legitimate
-    # step: one prefill.chunk_tokens chunk, about 15 s for 128K tokens of an 8B model on one H200.
+    # step: one prefill.chunk_tokens chunk (a long prompt's: docs/BENCHMARKS.md, "512K-token prompt").
     progress_timeout_s: float = _positive(default=120.0)
     # Every stage of a request has a timeout, so that a lost frame or a wedged peer ends it with
     # UNAVAILABLE instead of never: the prefill's queue and compute (PrefillTask -> KvReady), the

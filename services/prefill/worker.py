@@ -92,8 +92,8 @@ class PrefillWorker(WorkerLoop):
     def _compile_prefill_kernels(self) -> None:
         """Runs a two-page prompt, whole and after a cached first page, before registering, so that
         no request pays for compiling their kernels: a compile holds the GIL for seconds, long
-        enough to silence the heartbeat thread (the router saw a prefill miss 3 s of heartbeats at its
-        first cache hit). Pages 0 and 1 are free: nothing is allocated yet."""
+        enough to silence the heartbeat thread (the router saw a prefill's heartbeats stop at
+        its first cache hit). Pages 0 and 1 are free: nothing is allocated yet."""
         prompt, pages = [1] * (2 * self.page_size), [0, 1]
         with on_stream(self.stream):
             self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)

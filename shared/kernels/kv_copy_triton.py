@@ -1,8 +1,8 @@
 """A request's KV handoff on a GPU: every layer's pages copied in one Triton launch.
 
 PyTorch's `dst.kv[:, dst_ids] = src.kv[:, src_ids]` gathers into a temporary and scatters it
-back: two passes over the bytes and slow index kernels (5 ms for 1 GiB on the H200, ten times
-the copy floor). Here program (shard, i) copies page src_ids[i] of shard `shard` straight to
+back: two passes over the bytes and slow index kernels, far above the copy floor
+(docs/BENCHMARKS.md, "KV handoff copy"). Here program (shard, i) copies page src_ids[i] of shard `shard` straight to
 page dst_ids[i] of the same shard of the other pool, which may be another process's pool
 mapped through CUDA IPC; the pools may differ in page count, so each has its own shard stride.
 """

@@ -7,8 +7,7 @@ slower than cuBLAS beyond timing noise. The timing reproduces a decode step: the
 to back in a CUDA graph (no host launch gaps, PDL between GEMV launches) and rotate over copies
 of the weight that overflow the L2 cache (in a step, every other layer's weights pass through L2
 between two reads of this one). Triton's own autotuner, which times a lone launch after flushing
-L2, ranked the configs differently: on the H200 it took for down_proj at batch 1 a config that
-reads it in 35.6 µs timed this way, where the fastest takes 29.4 (docs/BENCHMARKS.md).
+L2, ranks the configs differently, and took slower ones (docs/BENCHMARKS.md, "Decode step").
 
 Timing synchronises the device, so a shape's first call must come before any CUDA-graph capture:
 the warm-up steps of services/decode/cuda_graphs.py make every choice (and compile every chosen
@@ -16,9 +15,9 @@ config) before it captures. A shape first seen during a capture takes cuBLAS.
 
 Timed alone, a shape can favour cuBLAS by a little, and yet the step be faster on the GEMV: a
 cuBLAS kernel breaks the chain of programmatic dependent launches (shared/kernels/triton_support.py), so
-the kernels on either side of it wait for full drains. Which effect wins differed between batch
-sizes on the H200, so for a batch size where some shape chose cuBLAS, the decode times its whole
-graphed step both ways and may put every matmul of that size on the GEMV (gemv_rows).
+the kernels on either side of it wait for full drains. Which effect wins differs between batch
+sizes, so for a batch size where some shape chose cuBLAS, the decode times its whole graphed step
+both ways and may put every matmul of that size on the GEMV (gemv_rows).
 """
 
 from __future__ import annotations
@@ -64,9 +63,9 @@ def prefer_gemv(cublas_ms: float, gemv_ms: float, mode: str) -> bool:
 
 def fastest_config(configs: list, times_ms: list[float]) -> int:
     """Index of the GEMV config to use: the fastest one-kernel config, unless a split-K config (a
-    second kernel adds the partial sums) beats it by the margin. Timed alone, o_proj at batch 1 read
-    in 10.4 µs split in two against 10.2 unsplit, yet the split made the H200's step 0.1 ms slower:
-    its extra kernel per layer costs more in the step than in the timing."""
+    second kernel adds the partial sums) beats it by the margin: a split about as fast timed alone
+    made the whole step slower, since its extra kernel per layer costs more in the step than in
+    the timing (docs/BENCHMARKS.md, "Decode step")."""
     def fastest(split: bool) -> int | None:
         indices = [i for i, c in enumerate(configs) if (c.kwargs["SPLIT_K"] > 1) == split]
         return min(indices, key=times_ms.__getitem__) if indices else None

@@ -2,8 +2,8 @@
 
 The workers read the config and weights with transformers; the router reads config.json as JSON
 and the tokenizer with shared/model/tokenizer.py, since transformers imports torch. A GGUF file is converted once into a
-plain safetensors checkpoint in the cache folder, because dequantizing it costs ~20 s at every
-process start and both workers load the model.
+plain safetensors checkpoint in the cache folder, because dequantizing it is slow (docs/BENCHMARKS.md,
+"Model loading") and every process start, of both workers, would pay for it.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ class PageIdStaging:
     kernel reads in place: a GPU reads pinned memory over PCIe, and a pull's ids are a few KiB.
 
     Numpy fills a view of the buffer in one call; nothing is uploaded and no event recorded,
-    because when a request reaches a decode that sat idle, each torch call costs tens of µs on
-    the H200 host, and an upload took several. Pulls take consecutive slices. A slice is rewritten
+    because when a request reaches a decode that sat idle, each torch call is slow, an upload
+    slower still (docs/BENCHMARKS.md, "Handoff"). Pulls take consecutive slices. A slice is rewritten
     only after the copy that reads it: a full buffer makes the host wait for the last copy (they
     run in stream order, so then all are done). Every list starts 16-byte aligned: Triton compiles
     a kernel per alignment of its pointers, and a compile on a request's path stalls it.
