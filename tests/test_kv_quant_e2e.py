@@ -2,10 +2,20 @@
 float8_e4m3 serve requests whose greedy tokens equal those of the same model run in-process on a
 quantized pool. The decode reads every prompt token's K/V from pages the handoff brought, values
 and scales: pages without their scales would read back as zeros, and the tokens would differ.
-Alone, concurrently (batched in the decode), and after a prefix the prefill had cached."""
+Alone, concurrently (batched in the decode), and after a prefix the prefill had cached.
+
+Alone, the two runs compute the same numbers, so their tokens are equal: each worker is pinned to
+one core, and the in-process run uses one thread too. That matters: a different thread count sums
+the float32 matmuls in another order, and quantizing K/V turns those last-bit differences into
+whole quantization steps (measured here: logits move by up to 0.17 for int8 and 0.32 for
+float8_e4m3 between one and two threads, where float32 KV moves by about 1e-5). Batched, the
+decode's matmuls have other shapes, so the tokens may part only where the reference's top two
+logits are closer than that same effect, measured in the test itself: the in-process run repeated
+with two threads."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -36,7 +46,9 @@ def kv_dtype(request):
 
 @pytest.fixture(scope="module")
 def stack(checkpoint, tmp_path_factory, kv_dtype):
-    with ServiceStack(tmp_path_factory.mktemp(f"kv-{kv_dtype}"), CACHE_DIR, PDSERVE_KV_DTYPE=kv_dtype) as services:
+    cores = sorted(os.sched_getaffinity(0))
+    with ServiceStack(tmp_path_factory.mktemp(f"kv-{kv_dtype}"), CACHE_DIR, PDSERVE_KV_DTYPE=kv_dtype,
+                      PDSERVE_PREFILL_CPU_CORES=str(cores[0]), PDSERVE_DECODE_CPU_CORES=str(cores[-1])) as services:
         yield services
         services.stop_drained()
 
@@ -56,7 +68,18 @@ class QuantizedReference:
                              kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
         self.pool = allocate_local_pool(layout, "cpu")[0]
 
-    def greedy(self, prompt: list[int], pages: list[int], start: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+    def greedy(self, prompt: list[int], pages: list[int], start: int = 0,
+               threads: int = 1) -> tuple[list[int], list[torch.Tensor]]:
+        """threads: 1, as each worker of the stack computes; another count, to see the effect of
+        the summation order alone."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._greedy(prompt, pages, start)
+        finally:
+            torch.set_num_threads(before)
+
+    def _greedy(self, prompt: list[int], pages: list[int], start: int) -> tuple[list[int], list[torch.Tensor]]:
         logits = [self.model.prefill(prompt, self.pool, pages, start=start)]
         tokens = [int(logits[-1].argmax())]
         table = torch.tensor([pages])
@@ -77,13 +100,17 @@ def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
 def test_greedy_tokens_equal_the_in_process_quantized_run(stack, model, tokenizer, kv_dtype):
     reference = QuantizedReference(model, kv_dtype)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    expected = [reference.greedy(ids, list(range(pages_for(len(ids) + MAX_TOKENS, PAGE)))) for ids in prompts]
-    for ids, (tokens, logits) in zip(prompts, expected):
-        assert_matches_reference(_generate(stack, ids)[0], tokens, logits, f"{kv_dtype} prompt of {len(ids)}")
+    pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in prompts]
+    expected = [reference.greedy(ids, p) for ids, p in zip(prompts, pages)]
+    for ids, (tokens, _) in zip(prompts, expected):
+        assert _generate(stack, ids)[0] == tokens, f"{kv_dtype} prompt of {len(ids)}"
+    reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(prompts, pages)]
+    order_effect = max(float((a - b).abs().max()) for (_, x), (_, y) in zip(expected, reordered) for a, b in zip(x, y))
     with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the decode
         for ids, (got, _), (tokens, logits) in zip(prompts, pool.map(lambda p: _generate(stack, p), prompts),
                                                     expected):
-            assert_matches_reference(got, tokens, logits, f"{kv_dtype} concurrent prompt of {len(ids)}")
+            assert_matches_reference(got, tokens, logits, f"{kv_dtype} concurrent prompt of {len(ids)}",
+                                     tie=2 * order_effect)
 
 
 def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):
@@ -103,5 +130,5 @@ def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):
     got_first, _ = _generate(stack, first)
     got_second, cached = _generate(stack, second)
     assert cached == shared
-    assert_matches_reference(got_first, *expected_first, f"{kv_dtype} first prompt")
-    assert_matches_reference(got_second, *expected_second, f"{kv_dtype} prompt after a cached prefix")
+    assert got_first == expected_first[0], f"{kv_dtype} first prompt"
+    assert got_second == expected_second[0], f"{kv_dtype} prompt after a cached prefix"
