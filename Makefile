@@ -8,7 +8,7 @@ ARGS ?=
 # nixl-cu13 on a CUDA 13 host (make setup NIXL=nixl-cu13).
 NIXL ?= nixl-cu12
 
-.PHONY: setup run test test-gpu bench bench-serving loadtest loadtest-locust loadtest-aiperf proto clean
+.PHONY: setup run test test-fast test-gpu bench bench-serving loadtest loadtest-locust loadtest-aiperf proto clean
 
 setup: $(VENV)/.installed $(PROTO_OUT)
 
@@ -30,8 +30,17 @@ proto: $(PROTO_OUT)
 run: setup
 	$(PY) -m services.stack $(ARGS)
 
+# The CPU suite in TEST_WORKERS processes (pytest-xdist): a file's tests stay in one process
+# (--dist loadfile), so a stack a module shares starts once; each stack takes free ports, a runtime
+# folder and shared-memory names of its own. Ends with the 20 slowest tests, to keep the budget in view.
+TEST_WORKERS ?= 4
 test: setup
-	$(PY) -m pytest -m "not gpu" $(ARGS)
+	$(PY) -m pytest -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=20 $(ARGS)
+
+# The unit tests alone, for the edit loop: no process is started (tests/conftest.py fails a test
+# not marked e2e that starts one).
+test-fast: setup
+	$(PY) -m pytest -m "not gpu and not e2e" -n 2 $(ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -15,6 +16,16 @@ if not torch.cuda.is_available():
 from tests.stack import ServiceStack  # noqa: E402
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+
+
+@pytest.fixture(autouse=True)
+def processes_only_in_e2e_tests(request, monkeypatch):
+    """`make test-fast` runs the tests not marked e2e and promises that none starts a process: a
+    test that starts one must carry the marker, or it fails here."""
+    if request.node.get_closest_marker("e2e") is None:
+        def refuse(self, args, *_, **__):
+            raise AssertionError(f"this test starts a process ({args!r}): mark it pytest.mark.e2e")
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -99,6 +99,7 @@ def verify(tmp_path: Path, replace: dict[str, str] | None = None, dropins: dict[
     return problems
 
 
+@pytest.mark.e2e
 @needs_systemd_analyze
 def test_systemd_analyze_verify_accepts_every_unit(tmp_path):
     assert verify(tmp_path) == []
@@ -111,6 +112,7 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path):
     ("DeviceAllow=char-nvidia rw", "DeviceAllow=char-nvidia rx"),  # verify exits 0 on this one
     ("SystemCallFilter=@system-service", "SystemCallFilter=@system-services"),
 ])
+@pytest.mark.e2e
 def test_verify_catches_a_broken_unit(tmp_path, broken):
     """The check above can fail: a broken copy of the decode unit is reported."""
     old, new = broken
@@ -150,6 +152,7 @@ def test_a_worker_the_router_refused_is_not_restarted(name):
     assert directives(name)["Service.RestartPreventExitStatus"] == [str(EXIT_REFUSED)]
 
 
+@pytest.mark.e2e
 @needs_systemd_analyze
 def test_an_instance_takes_its_memory_limit_from_a_drop_in(tmp_path):
     """deploy/README.md's way to change MemoryMax= (a value systemd does not expand variables in)."""

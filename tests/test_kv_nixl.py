@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from pdserve.v1 import generation_pb2
 from services.decode.kv_pull import HandoffError, KvPuller
 from shared.control import wire
 from shared.control.messages import DecodeTask, KvPoolHandle, SamplingParams, StopParams
+from shared.config import KvConfig
 from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.transfer import TransferState
 from shared.kv.transfer.nixl_agent import nixl_module
@@ -33,6 +35,8 @@ UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 PAGE_SIZE = 4
 SPEC = dict(num_layers=3, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 PREFILL_PAGES, DECODE_PAGES = 12, 9  # the decode's last page is its scratch page
+
+pytestmark = pytest.mark.e2e  # every test here reads from a real exporter process, or a stack
 
 try:
     nixl_module()
@@ -98,12 +102,25 @@ def task(src_pages: list[int], request_id: str = "r1") -> DecodeTask:
                       SamplingParams(0, 1, 0, 0), StopParams(4, True))
 
 
-def wait_for(puller: KvPuller, what, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
+def wait_for(puller: KvPuller, what, timeout_s: float | None = None):
+    """Polls `what` until it is truthy. The puller reports every read, landed or failed, within its
+    transfer_timeout_s (it cancels one that takes longer), so twice that only keeps a bug from
+    hanging the test; a read that must land after its target resumes gets kv.transfer_timeout_s,
+    the product's own bound for a read."""
+    deadline = time.monotonic() + (timeout_s or 2 * puller.transfer_timeout_s)
     while not (found := what()):
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
     return found
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGSTOP, returning once the process is stopped: a read issued earlier could still be served."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + KvConfig.transfer_timeout_s
+    while Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the exporter did not stop"
+        time.sleep(0.01)
 
 
 def test_a_read_moves_exactly_the_requests_pages_of_every_shard(exporter, decode_side):
@@ -129,10 +146,12 @@ def test_a_read_from_a_stopped_prefill_times_out_and_its_pages_wait_until_it_set
     """Cancelled NIXL reads go on writing (nixl.py): the pages come back only once the read is over."""
     process, handles = exporter
     local, freed = decode_side
-    puller = KvPuller(local, DECODE_PAGES - 1, freed.extend, transfer_timeout_s=1.0, transfer="nixl")
+    puller = KvPuller(local, DECODE_PAGES - 1, freed.extend, transfer="nixl")
     puller.map_pool("prefill-0", handles)
-    wait_for(puller, lambda: puller.pull(task([1], "warm-up"), [0]) and puller.landed())
-    process.send_signal(signal.SIGSTOP)
+    puller.pull(task([1], "warm-up"), [0])  # connects, at the product's timeout: a loaded machine is slow at it
+    wait_for(puller, puller.landed)
+    puller.transfer_timeout_s = 1.0
+    stop(process)
     puller.pull(task([4, 9]), [5, 6])
     [failed] = wait_for(puller, puller.failed)
     assert failed.error == "not done within 1 s (transferring)"
@@ -141,7 +160,7 @@ def test_a_read_from_a_stopped_prefill_times_out_and_its_pages_wait_until_it_set
     puller.landed()
     assert freed == [] and len(puller.settling) == 1  # the read may still land: the pages stay out
     process.send_signal(signal.SIGCONT)
-    wait_for(puller, lambda: puller.landed() == [] and freed)
+    wait_for(puller, lambda: puller.landed() == [] and freed, timeout_s=KvConfig.transfer_timeout_s)
     assert freed == [5, 6, 1] and puller.settling == []
     assert torch.equal(local.kv[:, [5, 6]], expected_pool(7)[:, [4, 9]])  # it did land, after its cancel
 
@@ -151,11 +170,11 @@ def test_a_read_from_a_killed_prefill_fails_and_settles_at_once(exporter, decode
     local, freed = decode_side
     puller = KvPuller(local, DECODE_PAGES - 1, freed.extend, transfer_timeout_s=30.0, transfer="nixl")
     puller.map_pool("prefill-0", handles)
-    process.send_signal(signal.SIGSTOP)
+    stop(process)
     puller.pull(task([2, 3]), [0, 1])
     time.sleep(0.3)
     process.kill()
-    [failed] = wait_for(puller, puller.failed, timeout_s=10.0)
+    [failed] = wait_for(puller, puller.failed)
     assert failed.error.startswith("NIXL read failed")
     puller.drop("r1", [0, 1])
     assert freed == [0, 1] and puller.settling == []
@@ -209,7 +228,6 @@ def nixl_stack(tmp_path_factory, checkpoint):
         stack.stop_drained()
 
 
-@pytest.mark.e2e
 def test_the_stack_on_nixl_matches_transformers_concurrently(nixl_stack, tokenizer, reference_model):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     got: dict[int, list[int]] = {}
@@ -226,7 +244,6 @@ def test_the_stack_on_nixl_matches_transformers_concurrently(nixl_stack, tokeniz
     assert '"backend": "nixl"' in log and '"event": "mapped prefill pool"' in log
 
 
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_decode_killed_mid_transfer_loses_no_page(nixl_stack, tokenizer):
     """A client's first token comes with the router's DecodeTask, so the decode is killed as it

@@ -185,6 +185,7 @@ if close == "close":
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["close", "exit"], ids=["child closes its mapping", "child exits without closing"])
 def test_mapped_in_another_process(how, exported):
     layout = make_layout(**LAYOUTS["bfloat16"])

@@ -5,13 +5,12 @@ and scales: pages without their scales would read back as zeros, and the tokens 
 Alone, concurrently (batched in the decode), and after a prefix the prefill had cached.
 
 Alone, the two runs compute the same numbers, so their tokens are equal: each worker is pinned to
-one core, and the in-process run uses one thread too. That matters: a different thread count sums
-the float32 matmuls in another order, and quantizing K/V turns those last-bit differences into
-whole quantization steps (measured here: logits move by up to 0.17 for int8 and 0.32 for
-float8_e4m3 between one and two threads, where float32 KV moves by about 1e-5). Batched, the
-decode's matmuls have other shapes, so the tokens may part only where the reference's top two
-logits are closer than that same effect, measured in the test itself: the in-process run repeated
-with two threads."""
+one core, and the in-process run uses one thread too. That matters: another thread count sums the
+float32 matmuls in another order, and quantizing K/V turns those last-bit differences into whole
+quantization steps, enough to flip a token whose top two logits are close. Batched, the decode's
+matmuls have other shapes, so the tokens may part only where the reference's top two logits are
+closer than that same effect, measured in the test itself: the in-process run repeated with two
+threads."""
 
 from __future__ import annotations
 

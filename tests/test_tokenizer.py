@@ -53,6 +53,7 @@ def test_a_preset_tokenizer_maps_word_i_to_id_i_and_has_no_chat_template():
         synthetic.encode_chat(CHATS[0])
 
 
+@pytest.mark.e2e
 def test_loading_and_using_it_imports_no_torch(checkpoint):
     script = (f"import sys; from shared.model.tokenizer import load_tokenizer; t = load_tokenizer({str(checkpoint)!r}); "
               f"t.encode_chat({CHATS[0]!r}); t.encode('hi'); "

@@ -191,6 +191,7 @@ def test_a_prompt_of_max_array_len_tokens_decodes():
     assert wire.decode(wire.encode(task)).prompt_token_ids == task.prompt_token_ids
 
 
+@pytest.mark.e2e
 def test_wire_does_not_import_pickle():
     source = Path(wire.__file__).read_text()
     imported = set()
