@@ -37,10 +37,10 @@ TEST_WORKERS ?= 4
 test: setup
 	$(PY) -m pytest -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=20 $(ARGS)
 
-# The unit tests alone, for the edit loop: no process is started (tests/conftest.py fails a test
-# not marked e2e that starts one).
+# The unit tests alone, for the edit loop: neither a process started (tests/conftest.py fails a
+# test not marked e2e that starts one) nor a model run end to end (marked slow).
 test-fast: setup
-	$(PY) -m pytest -m "not gpu and not e2e" -n 2 $(ARGS)
+	$(PY) -m pytest -m "not gpu and not e2e and not slow" -n 2 $(ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(ARGS)

@@ -28,6 +28,7 @@ def pool(model):
     return allocate_local_pool(layout, "cpu")[0]
 
 
+@pytest.mark.slow
 def test_prefill_logits_match_transformers(model, pool, tokenizer, reference_model):
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
@@ -38,6 +39,7 @@ def test_prefill_logits_match_transformers(model, pool, tokenizer, reference_mod
         torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_batched_decode_equals_decode_alone(model, pool, tokenizer):
     """Requests of different lengths on scattered pages, stepped together, give the logits each
     gets alone: the paged attention masks every request to its own pages and length."""
@@ -52,6 +54,7 @@ def test_batched_decode_equals_decode_alone(model, pool, tokenizer):
         torch.testing.assert_close(batched[i], alone[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_continuation_matches_transformers(model, pool, tokenizer, reference_model):
     ids = tokenizer(PROMPTS[0])["input_ids"]
     pages = list(range(pages_for(len(ids) + 16, 16)))
@@ -65,6 +68,7 @@ def test_greedy_continuation_matches_transformers(model, pool, tokenizer, refere
     assert tokens[: len(expected)] == expected
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_whole_prefill(model, pool, tokenizer):
     ids = tokenizer("A long prompt, cut into chunks that do not line up with pages: " * 3)["input_ids"]
     pages = list(range(pages_for(len(ids), 16)))
@@ -75,6 +79,7 @@ def test_chunked_prefill_equals_whole_prefill(model, pool, tokenizer):
     torch.testing.assert_close(pool.kv[:, pages], whole_kv, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_prefill_after_a_cached_prefix_equals_the_whole_prefill(model, pool, tokenizer, reference_model):
     """A second prompt on the first's pages of a shared system prompt (the prefix cache's case):
     only the rest is computed, attending to those pages, which it leaves as they were."""
@@ -110,6 +115,7 @@ def first_tokens(kv, count: int) -> torch.Tensor:
     return kv.flatten(1, 2)[:, :count]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", KV_FORMATS)
 def test_quantized_prefill_in_chunks_and_after_a_cached_prefix(model, pool, tokenizer, kv_dtype):
     """A whole prompt attends to its own K/V as computed, so its logits are the unquantized
@@ -144,6 +150,7 @@ def test_quantized_prefill_in_chunks_and_after_a_cached_prefix(model, pool, toke
     assert torch.equal(quantized.scales[:, first_pages[:shared]], cached[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", KV_FORMATS)
 def test_quantized_decode_keeps_the_greedy_tokens(model, pool, tokenizer, kv_dtype):
     """Batched decode steps over quantized pages (the CPU path: dequantized gathers) generate the

@@ -53,6 +53,7 @@ def test_delays_double_up_to_the_ceiling_and_a_stable_run_starts_them_over():
     assert recovering.exited(200, ran_s=1) == 2.0, "the exits before fell out of the window"
 
 
+@pytest.mark.e2e
 def test_a_crashing_service_is_restarted_with_doubling_delays_until_the_supervisor_gives_up(tmp_path):
     supervisor = Supervisor()
     supervisor.start(_child(tmp_path, "flaky", "--exit-code", "3", "--after", "0"))
@@ -67,6 +68,7 @@ def test_a_crashing_service_is_restarted_with_doubling_delays_until_the_supervis
     assert steady.returncode == 0, "giving up stops the others with SIGTERM"
 
 
+@pytest.mark.e2e
 def test_exit_zero_unasked_is_restarted_too(tmp_path):
     supervisor = Supervisor()
     supervisor.start(_child(tmp_path, "quitter", "--exit-code", "0", "--after", "0.2"))
@@ -79,6 +81,7 @@ def test_exit_zero_unasked_is_restarted_too(tmp_path):
         supervising.join()
 
 
+@pytest.mark.e2e
 def test_a_service_the_router_refused_is_never_restarted(tmp_path):
     supervisor = Supervisor()
     supervisor.start(_child(tmp_path, "refused", "--exit-code", str(EXIT_REFUSED), "--after", "0.2"))
@@ -90,6 +93,7 @@ def test_a_service_the_router_refused_is_never_restarted(tmp_path):
     assert steady.returncode == 0
 
 
+@pytest.mark.e2e
 def test_stop_terms_every_service_and_kills_the_group_of_a_laggard(tmp_path):
     supervisor = Supervisor(grace_s=1.0)
     polite, laggard = (supervisor.start(_child(tmp_path, "polite")),
