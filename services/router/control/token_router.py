@@ -9,9 +9,9 @@
                 that still holds the request
 
 Nothing is trusted blindly: each message about a request must come from the worker the router
-gave it to. Which workers those are is membership's job (membership.py), the frames' the worker
-socket's (worker_socket.py). A worker that membership drops fails its requests with UNAVAILABLE;
-so does a request that overstays any stage's timeout.
+gave it to. Who may join and when a worker is dropped is membership's job (membership.py); frames
+in and out are the worker socket's (worker_socket.py). A worker that membership drops fails its
+requests with UNAVAILABLE; so does a request that overstays any stage's timeout.
 """
 
 from __future__ import annotations
