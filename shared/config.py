@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import tomllib
 import typing
@@ -298,6 +299,22 @@ def env_name(section: str, key: str) -> str:
     return f"PDSERVE_{section}_{key}".upper()
 
 
+# PDSERVE_* variables that are not settings: the config file's path, and the MPS script's SM shares
+# (deploy/mps/run-on-one-gpu.sh), which its services inherit.
+OTHER_VARIABLES = frozenset({"PDSERVE_CONFIG", "PDSERVE_PREFILL_SM_PERCENT", "PDSERVE_DECODE_SM_PERCENT"})
+
+
+def check_variables(environ: typing.Mapping[str, str]) -> None:
+    """A PDSERVE_* variable that names no setting is a typo (PDSERVE_KV_DTYPES=int8): refused,
+    with the closest setting named, as an unknown flag is, rather than served with the default."""
+    known = {env_name(section, f.name) for section, section_type in _sections()
+             for f in dataclasses.fields(section_type)}
+    for name in sorted(n for n in environ if n.startswith("PDSERVE_") and n not in known | OTHER_VARIABLES):
+        closest = difflib.get_close_matches(name, sorted(known | OTHER_VARIABLES), n=1)
+        hint = f"; did you mean {closest[0]}?" if closest else ""
+        raise ConfigError(f"environment variable {name} names no setting{hint}")
+
+
 def flag_name(section: str, key: str) -> str:
     return f"--{section}-{key}".replace("_", "-")
 
@@ -359,6 +376,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] = os.environ) -> Config:
+    check_variables(environ)
     config = Config()
     path = getattr(args, "config", None) or environ.get("PDSERVE_CONFIG")
     table: dict = {}

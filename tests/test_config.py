@@ -1,6 +1,9 @@
 """shared/config.py: defaults, the four layers in order of precedence, and errors that say where."""
 
 import argparse
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -8,6 +11,8 @@ import pytest
 
 from shared.config import Config, ConfigError, add_config_arguments, load_config, parse_cores
 from shared.runtime.service_config import check_service
+
+REPO = Path(__file__).resolve().parents[1]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,3 +198,27 @@ def test_kv_transfer_is_checked_against_the_device_and_the_service():
         load_config(None, {"PDSERVE_KV_TRANSFER": "cuda_ipc"})
     with pytest.raises(ConfigError, match="kv.transfer nixl does not apply to services.colocated"):
         check_service(load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}), "colocated")
+
+
+@pytest.mark.parametrize(("variable", "closest"), [
+    ("PDSERVE_KV_DTYPES", "PDSERVE_KV_DTYPE"),
+    ("PDSERVE_ROUTER_GRPC_ADRESS", "PDSERVE_ROUTER_GRPC_ADDRESS"),
+])
+def test_a_variable_that_names_no_setting_is_refused_with_the_closest_one(variable, closest):
+    with pytest.raises(ConfigError, match=f"{variable} names no setting; did you mean {closest}\\?"):
+        load_config(parse(), environ={variable: "int8"})
+
+
+def test_our_variables_that_are_not_settings_are_accepted():
+    config = load_config(parse(), environ={"PDSERVE_PREFILL_SM_PERCENT": "30", "PDSERVE_KV_DTYPE": "int8"})
+    assert config.kv.dtype == "int8"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("service", ["router", "prefill", "stack"])
+def test_a_service_started_with_a_mistyped_variable_exits_2_naming_it(service, tmp_path):
+    environ = {**os.environ, "PDSERVE_KV_DTYPES": "int8", "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path / "run")}
+    done = subprocess.run([sys.executable, "-m", f"services.{service}"], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "PDSERVE_KV_DTYPES names no setting; did you mean PDSERVE_KV_DTYPE?" in done.stderr
