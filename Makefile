@@ -46,22 +46,22 @@ test-gpu: setup
 	$(PY) -m pytest -m gpu $(ARGS)
 
 bench: setup
-	$(PY) -m loadtest.bench_cpu $(ARGS)
+	$(PY) -m loadtest.stack.bench_cpu $(ARGS)
 
-# Every way of serving on one open-loop workload (loadtest/bench_serving.py): serving.json, the
+# Every way of serving on one open-loop workload (loadtest/stack/bench_serving.py): serving.json, the
 # services' logs and PNG plots into SERVING_OUT; ARGS go to the benchmark. The plots are drawn even
 # when the benchmark reports a problem (its exit code is kept).
 SERVING_OUT ?= out/serving
 bench-serving: setup
-	$(PY) -m loadtest.bench_serving --out $(SERVING_OUT) $(ARGS); status=$$?; \
-		$(PY) -m loadtest.plot_serving $(SERVING_OUT)/serving.json && exit $$status
+	$(PY) -m loadtest.stack.bench_serving --out $(SERVING_OUT) $(ARGS); status=$$?; \
+		$(PY) -m loadtest.stack.plot_serving $(SERVING_OUT)/serving.json && exit $$status
 
 # A load test against a running stack (`make run` in another terminal), by TOOL:
 # - locust (the default), over gRPC at HOST: stops after RUN_TIME and writes CSV and HTML reports
-#   into OUT. TRAFFIC: closed, trace or curve (loadtest/locustfile.py).
+#   into OUT. TRAFFIC: closed, trace or curve (loadtest/external/locustfile.py).
 # - aiperf, NVIDIA's AIPerf over the OpenAI API at HTTP_HOST: replays a Mooncake-format trace
 #   (loadtest/traces/mooncake_cpu.jsonl) and fails unless every request succeeded; its artifacts go
-#   into OUT/aiperf (loadtest/aiperf_replay.py). AIPerf gets a venv of its own, AIPERF_VENV: its
+#   into OUT/aiperf (loadtest/external/aiperf_replay.py). AIPerf gets a venv of its own, AIPERF_VENV: its
 #   pins would move back pyzmq, psutil, prometheus-client, rich and huggingface-hub in .venv.
 TOOL ?= locust
 USERS ?= 4
@@ -75,11 +75,11 @@ loadtest: loadtest-$(TOOL)
 
 loadtest-locust: setup
 	mkdir -p $(OUT)
-	$(PY) -m locust -f loadtest/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(USERS) \
+	$(PY) -m locust -f loadtest/external/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(USERS) \
 		--run-time $(RUN_TIME) --csv $(OUT)/locust --html $(OUT)/locust.html --traffic $(TRAFFIC) $(ARGS)
 
 loadtest-aiperf: setup $(AIPERF_VENV)/.installed
-	$(PY) -m loadtest.aiperf_replay --url http://$(HTTP_HOST) --out $(OUT)/aiperf --aiperf $(AIPERF_VENV)/bin/aiperf $(ARGS)
+	$(PY) -m loadtest.external.aiperf_replay --url http://$(HTTP_HOST) --out $(OUT)/aiperf --aiperf $(AIPERF_VENV)/bin/aiperf $(ARGS)
 
 $(AIPERF_VENV)/.installed:
 	$(PYTHON) -m venv $(AIPERF_VENV)

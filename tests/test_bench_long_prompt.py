@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loadtest.bench_long_prompt import kv_token_bytes, model_shape
+from loadtest.stack.bench_long_prompt import kv_token_bytes, model_shape
 from tests.stack import REPO
 
 
@@ -26,7 +26,7 @@ def test_the_512k_preset_has_the_8b_shape_and_int8_pages_of_67584_bytes_a_token(
 @pytest.mark.slow
 def test_one_chunked_prompt_reports_ttft_beside_its_bound_and_the_decode_beside_its_floor(checkpoint, tmp_path):
     out = tmp_path / "long.json"
-    command = [sys.executable, "-m", "loadtest.bench_long_prompt", "--device", "cpu", "--tokens", "256",
+    command = [sys.executable, "-m", "loadtest.stack.bench_long_prompt", "--device", "cpu", "--tokens", "256",
                "--output-tokens", "4", "--chunk-tokens", "128", "--kv-dtype", "int8", "--out", str(out),
                "--start-timeout-s", "180", "--request-timeout-s", "120"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

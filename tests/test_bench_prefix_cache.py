@@ -12,11 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest import prefix_comparison, workload
-from loadtest import serving_metrics as metrics
-from loadtest.bench_serving import goodput_fields, modes_to_run, parse_args, stack_settings
-from loadtest.generate_client import STAGE_FIELDS
-from loadtest.serving_workloads import mode_workloads, warm_up_schedule
+from loadtest.lib import workload
+from loadtest.lib.generate_client import STAGE_FIELDS
+from loadtest.stack import prefix_comparison
+from loadtest.stack import serving_metrics as metrics
+from loadtest.stack.bench_serving import goodput_fields, modes_to_run, parse_args, stack_settings
+from loadtest.stack.serving_workloads import mode_workloads, warm_up_schedule
 from shared.config import load_config
 from tests.stack import REPO
 
@@ -232,7 +233,7 @@ def test_cache_on_off_and_routing_by_prefix_or_load_in_one_run(checkpoint, tmp_p
     # Every request shares its first two blocks (32 tokens, two pages) with the one before it.
     trace = write_trace(tmp_path / "trace.jsonl", [(600 * i, 48, (1, 2, 100 + i)) for i in range(5)])
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "loadtest.bench_serving", "--prefill", "2", "--prefix-cache", "on,off",
+    command = [sys.executable, "-m", "loadtest.stack.bench_serving", "--prefill", "2", "--prefix-cache", "on,off",
                "--routing", "prefix,load", "--out", str(out), "--rates", "", "--trace", trace, "--rate-scale", "1",
                "--length-scale", str(LENGTH_SCALE), "--replay-seconds", "3",
                "--trace-speeds", "1,2", "--burst-requests", "0", "--slo-ttft-s", "30", "--slo-tpot-s", "30",

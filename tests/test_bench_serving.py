@@ -13,14 +13,15 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from loadtest import serving_metrics as metrics
-from loadtest import worker_balance, workload
-from loadtest.bench_gpu_stack import gpu_stack_settings
-from loadtest.bench_serving import decodes_share_weights, modes_to_run, parse_args, stack_settings
-from loadtest.percentiles import quantile
-from loadtest.serving_client import replay
-from loadtest.serving_modes import MODES, MpsSplit, Topology
-from loadtest.serving_workloads import mode_workloads
+from loadtest.lib import workload
+from loadtest.lib.percentiles import quantile
+from loadtest.stack import serving_metrics as metrics
+from loadtest.stack import worker_balance
+from loadtest.stack.bench_gpu_stack import gpu_stack_settings
+from loadtest.stack.bench_serving import decodes_share_weights, modes_to_run, parse_args, stack_settings
+from loadtest.stack.serving_client import replay
+from loadtest.stack.serving_modes import MODES, MpsSplit, Topology
+from loadtest.stack.serving_workloads import mode_workloads
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.topology import plan_workers
 from shared.config import env_name, load_config
@@ -279,7 +280,7 @@ def test_every_mode_end_to_end_with_stage_timings_and_plots(checkpoint, tmp_path
     trace.write_text("".join(json.dumps({"timestamp": ms, "input_length": 24, "output_length": 12, "hash_ids": [1]})
                              + "\n" for ms in (0, 300, 600, 900)))
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "loadtest.bench_serving", "--modes", ",".join(modes), "--out", str(out),
+    command = [sys.executable, "-m", "loadtest.stack.bench_serving", "--modes", ",".join(modes), "--out", str(out),
                "--rates", "1,2", "--requests-per-rate", "3", "--prompt-tokens", "16", "--output-tokens", "4",
                "--floor-requests-per-rate", "2", "--trace", str(trace), "--rate-scale", "1", "--length-scale", "1",
                "--replay-seconds", "2", "--burst-at-s", "0.5", "--burst-requests", "1", "--burst-prompt-tokens", "48",
@@ -313,7 +314,7 @@ def test_every_mode_end_to_end_with_stage_timings_and_plots(checkpoint, tmp_path
         for row in load["requests"]:
             assert_stages_fit(row)
     pytest.importorskip("matplotlib", reason="matplotlib is a dev dependency")
-    from loadtest.plot_serving import plot
+    from loadtest.stack.plot_serving import plot
 
     pictures = plot(out / "serving.json")
     assert {p.name for p in pictures} >= {"goodput.png", "tpot-over-time.png", "cdf-poisson-1.png", "cdf-trace.png"}
@@ -344,7 +345,7 @@ def assert_stages_fit(row: dict) -> None:
 @pytest.mark.slow
 def test_two_prefills_one_decode_end_to_end_with_a_balance_that_adds_up(checkpoint, tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "loadtest.bench_serving", "--topologies", "2x1", "--out", str(out),
+    command = [sys.executable, "-m", "loadtest.stack.bench_serving", "--topologies", "2x1", "--out", str(out),
                "--rates", "4", "--requests-per-rate", "6", "--prompt-tokens", "40", "--output-tokens", "3",
                "--trace", "", "--slo-ttft-s", "30", "--slo-tpot-s", "30", "--drain-timeout-s", "60"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -1,4 +1,4 @@
-"""loadtest/generate_client.py: the request every load tool sends, and one stream read into a record,
+"""loadtest/lib/generate_client.py: the request every load tool sends, and one stream read into a record,
 blocking and with grpc.aio alike."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import grpc
 import pytest
 from pdserve.v1 import generation_pb2
 
-from loadtest.generate_client import STAGE_FIELDS, StreamRecord, generate_request, read_stream, read_stream_async
-from loadtest.workload import RequestSpec
+from loadtest.lib.generate_client import STAGE_FIELDS, StreamRecord, generate_request, read_stream, read_stream_async
+from loadtest.lib.workload import RequestSpec
 
 SPEC = RequestSpec("fixed", (5, 6, 7), 9, seed=3)
 

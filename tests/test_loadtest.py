@@ -14,7 +14,8 @@ import pytest
 gevent = pytest.importorskip("gevent", reason="locust's gevent is a dev dependency")  # absent on the GPU image
 from gevent.pool import Group  # noqa: E402
 
-from loadtest import traffic, workload  # noqa: E402
+from loadtest.external import traffic  # noqa: E402
+from loadtest.lib import workload  # noqa: E402
 from tests.stack import REPO  # noqa: E402
 
 LOCUST_RUN_S = 12
@@ -88,7 +89,7 @@ def test_curve_is_a_step_function_of_rate(tmp_path):
     assert len(times) == 12  # 2/s for 5 s, nothing for 5 s, 1/s for 2 s
     assert times[:2] == [0.25, 0.75] and not any(5 < t < 10 for t in times)
     assert len(workload.curve_arrival_times(curve, limit_s=5)) == 10
-    shipped = workload.read_curve(Path(workload.__file__).parent / "curves" / "bursty.csv")
+    shipped = workload.read_curve(Path(workload.__file__).parents[1] / "curves" / "bursty.csv")
     assert max(rate for _, rate in shipped) == 2.3 and min(rate for _, rate in shipped[:-1]) == 0.12
 
 
@@ -114,9 +115,9 @@ def test_open_loop_starts_on_time_whatever_the_server_takes():
 def run_locust(stack, tmp_path: Path, traffic_args: list[str], users: int = 1) -> tuple[dict, list[dict], int]:
     """Runs locust headless; returns the stats rows by (type, name), the failures, and requests started."""
     prefix = tmp_path / "locust"
-    command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "--host", stack.address,
-               "-u", str(users), "-r", str(users), "--run-time", f"{LOCUST_RUN_S}s", "--csv", str(prefix),
-               "--html", str(tmp_path / "locust.html"), "--drain-seconds", "60", *traffic_args]
+    command = [sys.executable, "-m", "locust", "-f", "loadtest/external/locustfile.py", "--headless",
+               "--host", stack.address, "-u", str(users), "-r", str(users), "--run-time", f"{LOCUST_RUN_S}s",
+               "--csv", str(prefix), "--html", str(tmp_path / "locust.html"), "--drain-seconds", "60", *traffic_args]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LOCUST_RUN_S + 90)
     assert done.returncode == 0, done.stderr[-4000:]
     counts = STARTED.findall(done.stderr)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def floor(tmp_path_factory, checkpoint):
     with ServiceStack(tmp_path_factory.mktemp("floor"), CACHE_DIR,
-                      services=("loadtest.transformers_server",)) as stack:
+                      services=("loadtest.stack.transformers_server",)) as stack:
         yield stack
 
 

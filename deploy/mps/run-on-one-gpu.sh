@@ -5,7 +5,7 @@
 #   deploy/mps/run-on-one-gpu.sh [flags for every service, e.g. --model-path /models/llama-3.1-8b]
 #
 # PDSERVE_PREFILL_SM_PERCENT (default 30) and PDSERVE_DECODE_SM_PERCENT (default 100) become each
-# worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; `python -m loadtest.bench_mps_split` measures which
+# worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; `python -m loadtest.engine.bench_mps_split` measures which
 # split to use (deploy/mps/README.md). The MPS control daemon is started unless one already answers
 # in CUDA_MPS_PIPE_DIRECTORY. Ctrl-C or SIGTERM stops the services, then the daemon if this script
 # started it; if one service exits, the others are stopped the same way.

@@ -42,7 +42,7 @@ if triton is not None:
     CONFIGS = [
         # Multiply-add, one row: blocks of a few rows already make enough programs without a split.
         # Two rows by 1024 and four by 2048 columns were the fastest multiply-add configs for
-        # qkv, o_proj and down of Llama-8B on the H200 (loadtest/bench_gemv_configs.py).
+        # qkv, o_proj and down of Llama-8B on the H200 (loadtest/engine/bench_gemv_configs.py).
         _config(1, 2, 1024, 1, 4, 3),
         _config(1, 4, 2048, 1, 4, 3),
         _config(1, 4, 1024, 1, 4, 3),

@@ -20,7 +20,7 @@ LLAMA_3_1_8B = dict(
 
 PRESETS = {
     "llama-3.1-8b": LLAMA_3_1_8B,
-    # The same shape with a 512K context, for one 512K-token prompt (loadtest/bench_long_prompt.py).
+    # The same shape with a 512K context, for one 512K-token prompt (loadtest/stack/bench_long_prompt.py).
     # RoPE keeps Llama 3.1's scaling, stretched 64 times instead of 8 over the 8192 original
     # positions, so that every position up to 524288 lies within the scaled range.
     "llama-3.1-8b-512k": {**LLAMA_3_1_8B, "max_position_embeddings": 524288,

@@ -1,6 +1,6 @@
 """Open-loop dispatch for locust: each request in its own greenlet at its scheduled time.
 
-What is sent and when is loadtest/workload.py's (no gevent there, so the serving benchmark and the
+What is sent and when is loadtest/lib/workload.py's (no gevent there, so the serving benchmark and the
 tests can use it without locust).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import gevent
 from gevent.pool import Group
 
-from loadtest.workload import Arrival, RequestSpec
+from loadtest.lib.workload import Arrival, RequestSpec
 
 
 def dispatch_open_loop(schedule: list[Arrival], send: Callable[[RequestSpec], object], group: Group,

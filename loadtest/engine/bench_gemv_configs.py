@@ -1,6 +1,6 @@
 """Sweep of Triton GEMV configs for the decode step's weight shapes (JSON on stdout).
 
-    python -m loadtest.bench_gemv_configs [--rows 1,8] [--top 8] [--out FILE]
+    python -m loadtest.engine.bench_gemv_configs [--rows 1,8] [--top 8] [--out FILE]
 
 What chose shared/model/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
 batch (tensor cores), reads each Llama-3.1-8B weight shape, timed as the decode's LinearChooser
@@ -18,8 +18,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from loadtest.bench_gpu import copy_bandwidth_gbs
-from loadtest.report import emit
+from loadtest.engine.bench_gpu import copy_bandwidth_gbs
+from loadtest.lib.report import emit
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import triton
 from shared.model.linear_choice import time_per_call_ms
@@ -76,7 +76,7 @@ def sweep(rows: int, top: int, bandwidth_gbs: float) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gemv_configs")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_gemv_configs")
     parser.add_argument("--rows", default="1,8", help="batch sizes to sweep")
     parser.add_argument("--top", type=int, default=8, help="fastest configs reported per shape")
     parser.add_argument("--out", default=None)

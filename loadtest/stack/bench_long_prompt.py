@@ -1,7 +1,7 @@
 """One long prompt through the whole stack: its time to first token beside the compute bound, and the
 decode's step at that context beside its memory floor (JSON on stdout).
 
-    python -m loadtest.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--out FILE]
+    python -m loadtest.stack.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--out FILE]
 
 The stack is the real one (services/stack/local.py: router, one prefill, one decode; on a GPU the
 decode maps the prefill's weights), with both KV pools sized to the prompt plus its output, the
@@ -11,10 +11,10 @@ first-call costs and the path of a chunk attending to earlier pages are paid bef
 
 In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
-  causal attention, loadtest/bench_gpu.prefill_flops) at that rate;
+  causal attention, loadtest/engine/bench_gpu.prefill_flops) at that rate;
 - the copy bandwidth, so a decode step's floor is (weight bytes + the context's KV bytes, scales
   included: shared/kv/pool.py token_bytes) / bandwidth, at the mean context of the decoded tokens.
-On a GPU both are loadtest/bench_gpu's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
+On a GPU both are loadtest/engine/bench_gpu's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
 float32 matmul and a host copy on this process's threads, labelled so: the services compute on
 their own pinned cores, so the CPU ratios show that the script works, not how close pdserve is.
 """
@@ -33,12 +33,12 @@ from pathlib import Path
 import grpc
 import torch
 
-from loadtest import bench_gpu
-from loadtest.bench_gpu_stack import gpu_stack_settings
-from loadtest.generate_client import StreamRecord, generate, generate_request
-from loadtest.percentiles import quantile
-from loadtest.report import emit
-from loadtest.workload import RequestSpec
+from loadtest.engine import bench_gpu
+from loadtest.lib.generate_client import StreamRecord, generate, generate_request
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
+from loadtest.lib.workload import RequestSpec
+from loadtest.stack.bench_gpu_stack import gpu_stack_settings
 from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
 from shared.config import KvConfig, RouterConfig
@@ -78,7 +78,7 @@ def device_rates(device: str) -> dict:
         return cpu_rates()
     rates = {"matmul_tflops": bench_gpu.matmul_tflops(), "copy_bandwidth_gbs": bench_gpu.copy_bandwidth_gbs(),
              "measured": f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul and a 4 GiB device copy "
-                         "(loadtest/bench_gpu.py), before the stack started"}
+                         "(loadtest/engine/bench_gpu.py), before the stack started"}
     torch.cuda.empty_cache()  # the stack needs the memory
     return rates
 
@@ -181,7 +181,7 @@ def run(args) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_long_prompt")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_long_prompt")
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", help="default: random:llama-3.1-8b-512k on a GPU, embedded on the CPU")
     parser.add_argument("--tokens", type=int, default=131072, help="prompt tokens")

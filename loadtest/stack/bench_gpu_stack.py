@@ -1,6 +1,6 @@
 """The whole stack on one GPU: throughput, handoff and memory, beside transformers (JSON on stdout).
 
-    python -m loadtest.bench_gpu_stack [--model random:llama-3.1-8b] [--out FILE]
+    python -m loadtest.stack.bench_gpu_stack [--model random:llama-3.1-8b] [--out FILE]
 
 In one run:
 - throughput: 64 concurrent requests (1,024-token prompts, 128 output tokens, EOS ignored)
@@ -33,10 +33,10 @@ from pathlib import Path
 import grpc
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest.generate_client import StreamRecord, generate, generate_request
-from loadtest.percentiles import quantile
-from loadtest.report import emit
-from loadtest.workload import RequestSpec
+from loadtest.lib.generate_client import StreamRecord, generate, generate_request
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
+from loadtest.lib.workload import RequestSpec
 from services.stack.local import SERVICES, LocalStack
 
 CACHE_DIR = "~/.cache/pdserve"
@@ -153,7 +153,7 @@ def transformers_batch(model: str, requests: int, prompt_len: int, max_tokens: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gpu_stack")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_gpu_stack")
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--skip-separate", action="store_true", help="skip the memory run without shared weights")

@@ -1,14 +1,14 @@
 """Locust against pdserve's gRPC Generate stream: `make loadtest`, or
 
-    .venv/bin/python -m locust -f loadtest/locustfile.py --headless --host 127.0.0.1:50051 \
+    .venv/bin/python -m locust -f loadtest/external/locustfile.py --headless --host 127.0.0.1:50051 \
         -u 4 -r 4 --run-time 60s --traffic closed|trace|curve [options below]
 
 Every request fires three locust request events, named by workload class (long, short, trace):
-TTFT, TPOT (only with more than one token) and E2E, as loadtest/generate_client.py defines them.
+TTFT, TPOT (only with more than one token) and E2E, as loadtest/lib/generate_client.py defines them.
 A failed call fires E2E only, its error the gRPC status code, so the failure table groups by
 code. Requests are greedy unless --temperature says otherwise. Traffic modes:
 - closed: -u users, each sends the long/short mix back to back;
-- trace: one dispatcher replays the Mooncake trace open loop (scaled, see loadtest/workload.py);
+- trace: one dispatcher replays the Mooncake trace open loop (scaled, see loadtest/lib/workload.py);
 - curve: one dispatcher sends the mix open loop at the rate of a t_seconds,requests_per_second
   CSV (--curve, default loadtest/curves/bursty.csv), the run's end set by a LoadTestShape.
 When the test stops, no new request starts and those in flight are waited for (--drain-seconds,
@@ -32,13 +32,14 @@ from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest import traffic, workload
-from loadtest.generate_client import GREEDY, StreamRecord, generate_request, read_stream
+from loadtest.external import traffic
+from loadtest.lib import workload
+from loadtest.lib.generate_client import GREEDY, StreamRecord, generate_request, read_stream
 
 grpc_gevent.init_gevent()  # after locust's monkey patching, before any channel exists
 
 logger = logging.getLogger("loadtest")
-DEFAULT_CURVE = Path(__file__).resolve().parent / "curves" / "bursty.csv"
+DEFAULT_CURVE = Path(__file__).resolve().parents[1] / "curves" / "bursty.csv"
 
 
 def _bool(value: str) -> bool:
@@ -51,7 +52,7 @@ def _bool(value: str) -> bool:
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser):
-    group = parser.add_argument_group("pdserve", "workload of loadtest/locustfile.py")
+    group = parser.add_argument_group("pdserve", "workload of loadtest/external/locustfile.py")
     group.add_argument("--traffic", choices=("closed", "trace", "curve"), default="closed",
                        help="closed: users loop; trace: replay the trace open loop; curve: follow --curve")
     group.add_argument("--long-fraction", type=float, default=0.7, help="share of long prompts in the mix")

@@ -1,5 +1,5 @@
 """The workloads of the serving benchmark, built from its command line before any mode starts, so
-every mode gets the same requests at the same times (loadtest/bench_serving.py says which).
+every mode gets the same requests at the same times (loadtest/stack/bench_serving.py says which).
 
 Each workload's prompts are salted with its name: two workloads share no prefix, so with the prefix
 cache on no workload finds its prompts cached by the one before it (nor by the warm-up). Within a
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from loadtest.serving_modes import Mode
-from loadtest.workload import (Arrival, Mix, RequestSpec, TraceScaling, burst, curve_schedule, poisson_schedule,
-                               random_tokens, read_curve, read_trace, trace_schedule)
+from loadtest.lib.workload import (Arrival, Mix, RequestSpec, TraceScaling, burst, curve_schedule, poisson_schedule,
+                                   random_tokens, read_curve, read_trace, trace_schedule)
+from loadtest.stack.serving_modes import Mode
 
 WARMUP_TOKENS = 4
 

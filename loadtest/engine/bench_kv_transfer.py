@@ -1,7 +1,8 @@
 """One request's KV handoff by the host's own transfer and by NIXL, from the same prefill pool: JSON on stdout.
 
-    python -m loadtest.bench_kv_transfer [--tokens 8192] [--repeats 5]                  # CPU: shm vs NIXL
-    python -m loadtest.bench_kv_transfer --device cuda:0 --shape 8b --tokens 1024,8192,32768  # GPU: cuda_ipc vs NIXL
+    python -m loadtest.engine.bench_kv_transfer [--tokens 8192] [--repeats 5]        # CPU: shm vs NIXL
+    python -m loadtest.engine.bench_kv_transfer --device cuda:0 --shape 8b --tokens 1024,8192,32768
+                                                                        # GPU: cuda_ipc vs NIXL
 
 A child process exports a prefill pool on --device by the host's kind and by NIXL at once
 (kv.transfer auto on a tcp:// control plane); this process pulls the pages of one request of each

@@ -3,7 +3,7 @@ the stage breakdown, the prompt tokens served from the prefix cache, and the eff
 Pure functions over CallRecords.
 
 TTFT, TPOT, ITL and E2E are every load tool's, on one client clock: StreamRecord's, in
-loadtest/generate_client.py, which says how each is measured.
+loadtest/lib/generate_client.py, which says how each is measured.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from loadtest.generate_client import StreamRecord
-from loadtest.percentiles import quantile
+from loadtest.lib.generate_client import StreamRecord
+from loadtest.lib.percentiles import quantile
 
 # StageTimings of the last chunk, by the proto's field names. The first token is the prefill's,
 # so these make up the TTFT...

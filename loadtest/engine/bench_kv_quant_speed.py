@@ -1,6 +1,6 @@
 """GPU benchmark of the KV formats: the decode step and the handoff copy per kv.dtype (JSON on stdout).
 
-    python -m loadtest.bench_kv_quant_speed [--model random:llama-3.1-8b] [--batch 32] [--context 8192]
+    python -m loadtest.engine.bench_kv_quant_speed [--model random:llama-3.1-8b] [--batch 32] [--context 8192]
 
 For each kv.dtype (bfloat16, float8_e4m3, int8) in one run: the decode step as the decode worker
 runs it (one CUDA graph replay, p50 of 100) at --batch requests of --context tokens each, where
@@ -17,9 +17,9 @@ import argparse
 
 import torch
 
-from loadtest.bench_gpu import copy_bandwidth_gbs, cuda_time_ms, weight_bytes_per_step
-from loadtest.percentiles import quantile
-from loadtest.report import emit
+from loadtest.engine.bench_gpu import copy_bandwidth_gbs, cuda_time_ms, weight_bytes_per_step
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.step_inputs import DecodingRequest, step_inputs
 from shared.control.messages import SamplingParams, StopParams
@@ -73,7 +73,7 @@ def relative_to_bfloat16(rows: list[dict], key: str, name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_kv_quant_speed")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_kv_quant_speed")
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)

@@ -13,9 +13,9 @@ import time
 import grpc
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest.generate_client import generate, generate_request
-from loadtest.serving_metrics import CallRecord
-from loadtest.workload import Arrival
+from loadtest.lib.generate_client import generate, generate_request
+from loadtest.lib.workload import Arrival
+from loadtest.stack.serving_metrics import CallRecord
 
 
 async def replay(address: str, schedule: list[Arrival], *, label: str, timeout_s: float, drain_timeout_s: float,

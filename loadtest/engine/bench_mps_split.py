@@ -1,6 +1,6 @@
 """Which SM split should a prefill and a decode process sharing one GPU under MPS get? (JSON on stdout)
 
-    python -m loadtest.bench_mps_split [--window-s 15] [--arrangements mps-100-50,mps-70-50] [--out FILE]
+    python -m loadtest.engine.bench_mps_split [--window-s 15] [--arrangements mps-100-50,mps-70-50] [--out FILE]
 
 Each arrangement starts fresh child processes (`--role decode|prefill`), each building the random
 8B model (bf16, same seed) on cuda:0 as the workers do, and times them side by side:
@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from loadtest.bench_gpu import cuda_time_ms, prefill_flops
-from loadtest.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
-from loadtest.percentiles import quantile
-from loadtest.report import emit
+from loadtest.engine.bench_gpu import cuda_time_ms, prefill_flops
+from loadtest.lib.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.step_inputs import DecodingRequest, step_inputs
 from services.stack.supervisor import Service, Supervisor
@@ -65,7 +65,7 @@ DEFAULT_ARRANGEMENTS = "no-mps,mps-100-100,mps-100-50,mps-100-70,mps-70-50,mps-5
 BASELINES = ("decode-alone", "prefill-alone")
 # NVLink multicast can take a shared host's GPUs out of service; nothing here needs it.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-CHILD_MODULE = "loadtest.bench_mps_split"
+CHILD_MODULE = "loadtest.engine.bench_mps_split"
 STARTED = time.monotonic()  # a child's setup time counts from here
 
 
@@ -483,7 +483,8 @@ def orchestrate(args) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_mps_split", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_mps_split",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--arrangements", default=DEFAULT_ARRANGEMENTS,
                         help="comma-separated: no-mps, mps-D-P (decode-alone and prefill-alone always run)")
     parser.add_argument("--window-s", type=float, default=15.0, help="measured seconds per arrangement")

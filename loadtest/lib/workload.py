@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # Token ids from the middle of the embedded SmolLM2's 49,152-token vocabulary: ordinary
 # word pieces, clear of the special and byte tokens at the low end.

@@ -1,10 +1,10 @@
-"""python -m loadtest.bench_serving: ways of serving side by side on one open-loop workload, in one run.
+"""python -m loadtest.stack.bench_serving: ways of serving side by side on one open-loop workload, in one run.
 
-    python -m loadtest.bench_serving [--modes disaggregated,colocated,transformers] [--out DIR] [--gpu]
-    python -m loadtest.bench_serving --topologies 1x1,2x1,1x2 [--devices 'prefill=0,1 decode=2'] ...
-    python -m loadtest.bench_serving --prefill 2 --prefix-cache on,off --routing prefix,load --rates '' ...
+    python -m loadtest.stack.bench_serving [--modes disaggregated,colocated,transformers] [--out DIR] [--gpu]
+    python -m loadtest.stack.bench_serving --topologies 1x1,2x1,1x2 [--devices 'prefill=0,1 decode=2'] ...
+    python -m loadtest.stack.bench_serving --prefill 2 --prefix-cache on,off --routing prefix,load --rates '' ...
 
-For each mode (loadtest/serving_modes.py) it starts the processes, warms them up, replays every
+For each mode (loadtest/stack/serving_modes.py) it starts the processes, warms them up, replays every
 workload, and stops them. The workloads, fixed before the first mode starts so every mode gets the
 same requests at the same times:
 - poisson-R: Poisson arrivals at R requests/s (seeded exponential gaps), fixed prompt and output
@@ -15,7 +15,7 @@ same requests at the same times:
   compared with the same requests' TPOT in the replay without the burst;
 - trace-xS (with --trace-speeds): the same replay S times as fast; the trace's goodput is found over
   the replays' rates, as the Poisson goodput over --rates.
-No two workloads share a prompt prefix (loadtest/serving_workloads.py salts each), so that with the
+No two workloads share a prompt prefix (loadtest/stack/serving_workloads.py salts each), so that with the
 prefix cache on a workload is served cold, whatever ran before it.
 The transformers floor serves one request at a time, so it gets only --floor-rates (default: the
 lowest rate), each cut to --floor-requests-per-rate requests, and no trace.
@@ -25,20 +25,20 @@ lowest rate), each cut to --floor-requests-per-rate requests, and no trace.
 same workloads for all; --devices places them (stack.devices; by default every worker is on
 model.device, cuda:0 with --gpu). These flags lay out the disaggregated mode only: the other modes
 are one prefill and one decode by nature and are refused beside them. Each workload of a mode with a
-router also reports its load balance (loadtest/worker_balance.py): requests and prompt tokens the
+router also reports its load balance (loadtest/stack/worker_balance.py): requests and prompt tokens the
 router sent each worker during it, from the router's counters, and max / mean over each role.
 
 --prefix-cache on,off runs each mode once with prefill.prefix_cache on and once off; --routing
 prefix,load, with two or more prefills, once routed by prefix and once by load alone
 (serving_modes.Mode.variants). Every workload reports the prompt tokens sent, taken from the cache
-and computed, and the report pairs the variants (loadtest/prefix_comparison.py): TTFT and goodput
+and computed, and the report pairs the variants (loadtest/stack/prefix_comparison.py): TTFT and goodput
 with the cache against without, and hit rate and TTFT by routing.
 
 The defaults fit a 2-core CPU with the embedded model (about 5 minutes); --gpu takes the GPU stack
-bench's settings (loadtest/bench_gpu_stack.py) and adds the mps mode.
+bench's settings (loadtest/stack/bench_gpu_stack.py) and adds the mps mode.
 
 The JSON report goes to stdout and to DIR/serving.json (rewritten after every workload, so a run
-cut short keeps what it measured); `python -m loadtest.plot_serving DIR/serving.json` draws it.
+cut short keeps what it measured); `python -m loadtest.stack.plot_serving DIR/serving.json` draws it.
 Progress goes to stderr. The exit code is 1 when a mode failed, a request was lost, the mps workers
 were not clients of the daemon, the router's counters could not be read, or something was skipped
 for --time-limit-s.
@@ -57,15 +57,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest import prefix_comparison
-from loadtest import serving_metrics as metrics
-from loadtest import worker_balance
-from loadtest.bench_gpu_stack import gpu_stack_settings
-from loadtest.generate_client import StreamRecord
-from loadtest.serving_client import replay
-from loadtest.serving_args import parse_args
-from loadtest.serving_modes import MODES, Mode, serving
-from loadtest.serving_workloads import Workload, mode_workloads, warm_up_schedule
+from loadtest.lib.generate_client import StreamRecord
+from loadtest.stack import prefix_comparison
+from loadtest.stack import serving_metrics as metrics
+from loadtest.stack import worker_balance
+from loadtest.stack.bench_gpu_stack import gpu_stack_settings
+from loadtest.stack.serving_args import parse_args
+from loadtest.stack.serving_client import replay
+from loadtest.stack.serving_modes import MODES, Mode, serving
+from loadtest.stack.serving_workloads import Workload, mode_workloads, warm_up_schedule
 from shared.config import ConfigError, parse_devices
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")

@@ -1,4 +1,4 @@
-"""python -m loadtest.bench_cpu: pdserve on the CPU against plain transformers, in one run.
+"""python -m loadtest.stack.bench_cpu: pdserve on the CPU against plain transformers, in one run.
 
 Prints one JSON document to stdout; progress goes to stderr. Everything is measured in the same
 run because the CPU machines are shared and noisy:
@@ -29,10 +29,10 @@ import torch
 import transformers
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest.generate_client import STAGE_FIELDS, StreamRecord, generate, generate_request
-from loadtest.percentiles import quantile
-from loadtest.report import emit
-from loadtest.workload import RequestSpec
+from loadtest.lib.generate_client import STAGE_FIELDS, StreamRecord, generate, generate_request
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
+from loadtest.lib.workload import RequestSpec
 from services.stack.local import LocalStack
 from shared.model.loader import resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
@@ -322,7 +322,7 @@ def run(quick: bool) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_cpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_cpu", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition, 8 output tokens: a smoke run")
     parser.add_argument("--out", type=Path, help="also write the JSON document to this file")
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """GPU benchmark of the engine pieces: decode step, prefill, KV handoff copy (JSON on stdout).
 
-    python -m loadtest.bench_gpu [--model random:llama-3.1-8b] [--out FILE]
+    python -m loadtest.engine.bench_gpu [--model random:llama-3.1-8b] [--out FILE]
 
 Everything is measured in one run beside its physical limit, measured in the same run:
 - the device's copy bandwidth (bytes read + written per second, a 4 GiB device-to-device copy),
@@ -26,8 +26,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from loadtest.percentiles import quantile
-from loadtest.report import emit
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.step_inputs import DecodingRequest, step_inputs
 from shared.control.messages import SamplingParams, StopParams
@@ -203,7 +203,7 @@ def bench_handoff(model: PagedLlama, lengths: list[int], bandwidth_gbs: float) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_gpu")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_gpu")
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--contexts", default="1024,8192")

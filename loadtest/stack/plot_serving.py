@@ -1,4 +1,4 @@
-"""python -m loadtest.plot_serving DIR/serving.json: the serving benchmark's plots, PNGs beside the JSON.
+"""python -m loadtest.stack.plot_serving DIR/serving.json: the serving benchmark's plots, PNGs beside the JSON.
 
 - cdf-<workload>.png: the CDFs of TTFT, TPOT and ITL of each mode, one figure per workload;
 - goodput.png: SLO attainment and output tokens/s against the offered rate, per mode, with the
@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtest.percentiles import quantile  # noqa: E402
+from loadtest.lib.percentiles import quantile  # noqa: E402
 
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"))
 
@@ -145,8 +145,8 @@ def plot(report_path: Path) -> list[Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.plot_serving", description=__doc__.split("\n")[0])
-    parser.add_argument("report", type=Path, help="serving.json written by loadtest.bench_serving")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stack.plot_serving", description=__doc__.split("\n")[0])
+    parser.add_argument("report", type=Path, help="serving.json written by loadtest.stack.bench_serving")
     args = parser.parse_args()
     for path in plot(args.report):
         print(path)

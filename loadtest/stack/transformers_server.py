@@ -1,4 +1,4 @@
-"""python -m loadtest.transformers_server: the serving benchmark's floor, plain transformers.
+"""python -m loadtest.stack.transformers_server: the serving benchmark's floor, plain transformers.
 
 The same gRPC Generate API as the router, answered by transformers' own `generate` on the same
 model, one request at a time (others wait their turn), tokens streamed as they come. It reads the

@@ -1,6 +1,6 @@
 """The prefill's causal attention, one layer of the 8B shape, by every SDPA backend the device has (JSON on stdout).
 
-    python -m loadtest.bench_prefill_attention [--tokens 8192,32768,131072] [--after 0,122880] [--out FILE]
+    python -m loadtest.engine.bench_prefill_attention [--tokens 8192,32768,131072] [--after 0,122880] [--out FILE]
 
 Two cases, each per --tokens T:
 - a whole prompt (or its first chunk): T queries on their own T keys, causal from the top left;
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from loadtest.bench_gpu import cuda_time_ms, matmul_tflops
-from loadtest.report import emit
+from loadtest.engine.bench_gpu import cuda_time_ms, matmul_tflops
+from loadtest.lib.report import emit
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,

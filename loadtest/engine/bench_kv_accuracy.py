@@ -1,6 +1,6 @@
 """Accuracy of the quantized KV caches against the unquantized one (JSON on stdout).
 
-    python -m loadtest.bench_kv_accuracy [--model embedded] [--device cpu] [--tokens 64] [--out FILE]
+    python -m loadtest.engine.bench_kv_accuracy [--model embedded] [--device cpu] [--tokens 64] [--out FILE]
 
 The reference runs every prompt with kv.dtype "bfloat16": pages unquantized, in the model's own
 dtype (float32 for the CPU's embedded model), and generates --tokens greedy tokens. Each quantized
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loadtest.report import emit
+from loadtest.lib.report import emit
 from shared.kernels import kv_quant
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
@@ -126,7 +126,7 @@ def kv_bytes_per_token(model: PagedLlama, kv_dtype: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_kv_accuracy")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_kv_accuracy")
     parser.add_argument("--model", default="embedded", help="a checkpoint, 'embedded', or random:<preset>")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="the model's dtype; default float32 on the CPU, else bfloat16")

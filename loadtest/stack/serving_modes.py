@@ -5,7 +5,7 @@
   stream);
 - mps (GPU only): the disaggregated stack under our own MPS daemon, each worker limited to its
   share of the SMs;
-- transformers: `generate` served one request at a time (loadtest/transformers_server.py), the floor.
+- transformers: `generate` served one request at a time (loadtest/stack/transformers_server.py), the floor.
 
 Only the disaggregated mode has a layout to choose: laid out (Mode.laid_out) it runs N prefills and
 M decodes (services/stack/topology.py places them), under a name of its own ("disaggregated-2P1D"),
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadtest.mps_daemon import MpsDaemon, find_mps_control
+from loadtest.lib.mps_daemon import MpsDaemon, find_mps_control
 from services.stack.local import LocalStack
 from services.stack.supervisor import REPO
 from shared.config import env_name
@@ -105,7 +105,7 @@ MODES = {mode.name: mode for mode in (
     Mode("disaggregated", ("router", "prefill", "decode"), sends_timings=True),
     Mode("colocated", ("router", "colocated"), sends_timings=True),
     Mode("mps", ("router", "prefill", "decode"), sends_timings=True, mps=True),
-    Mode("transformers", ("loadtest.transformers_server",), sends_timings=False),
+    Mode("transformers", ("loadtest.stack.transformers_server",), sends_timings=False),
 )}
 
 

@@ -1,6 +1,6 @@
 """The prefix cache's part of a serving report: a mode run with the cache on beside the same mode
 with it off, and, with two or more prefills, routed by prefix beside routed by load alone (the
-variants of loadtest/serving_modes.py, paired by their variant_of). Pure functions over the
+variants of loadtest/stack/serving_modes.py, paired by their variant_of). Pure functions over the
 report's modes.
 
 The objectives, on the production trace's replay at the same rate: TTFT p50 with the cache at most

@@ -1,13 +1,13 @@
-"""The serving benchmark's command line (loadtest/bench_serving.py says what each part runs)."""
+"""The serving benchmark's command line (loadtest/stack/bench_serving.py says what each part runs)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from loadtest import serving_metrics as metrics
-from loadtest.serving_modes import CACHE_SETTINGS, CACHED_MODES, LAYOUT_MODES, MODES, ROUTINGS, MpsSplit, Topology
-from loadtest.workload import DEFAULT_TRACE, MODEL_CONTEXT
+from loadtest.lib.workload import DEFAULT_TRACE, MODEL_CONTEXT
+from loadtest.stack import serving_metrics as metrics
+from loadtest.stack.serving_modes import CACHE_SETTINGS, CACHED_MODES, LAYOUT_MODES, MODES, ROUTINGS, MpsSplit, Topology
 from shared.config import ConfigError, parse_devices
 
 CPU_MODES = "disaggregated,colocated,transformers"
@@ -37,7 +37,7 @@ def topologies(text: str) -> list[Topology]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_serving",
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_serving",
                                      description="Ways of serving side by side on one open-loop workload, in one run.")
     parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default: {CPU_MODES}; "
                                         f"with --gpu: {GPU_MODES})")
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--curve", default="", help="also a rate curve: a CSV of t_seconds,requests_per_second "
                       "(e.g. loadtest/curves/bursty.csv), arrivals evenly paced along it, the same mix")
     load.add_argument("--curve-seconds", type=float, default=30.0, help="follow the curve this long at most")
-    trace = parser.add_argument_group("trace replay (loadtest/workload.py TraceScaling)")
+    trace = parser.add_argument_group("trace replay (loadtest/lib/workload.py TraceScaling)")
     trace.add_argument("--trace", default=str(DEFAULT_TRACE) if DEFAULT_TRACE.exists() else "",
                        help="Mooncake-format jsonl; '' skips the replay")
     trace.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace times (0.5: 2x faster)")

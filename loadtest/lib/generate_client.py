@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from pdserve.v1 import generation_pb2
 
-from loadtest.workload import RequestSpec
+from loadtest.lib.workload import RequestSpec
 
 GREEDY = 0.0
 STAGE_FIELDS = tuple(f.name for f in generation_pb2.StageTimings.DESCRIPTOR.fields)

@@ -1,7 +1,7 @@
 """AIPerf (NVIDIA's load tool) replaying a Mooncake trace against the OpenAI API of a running stack:
 `make loadtest TOOL=aiperf`, or
 
-    .venv/bin/python -m loadtest.aiperf_replay --url http://127.0.0.1:8000 [--trace FILE] [--out DIR]
+    .venv/bin/python -m loadtest.external.aiperf_replay --url http://127.0.0.1:8000 [--trace FILE] [--out DIR]
 
 AIPerf sends each trace row at its timestamp (open loop) to /v1/chat/completions, streamed, with a
 prompt it builds from the row's hash_ids (equal ids, equal blocks of text) and max_completion_tokens
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.workload import DEFAULT_TRACE, REPO, TraceRecord, TraceScaling, read_trace, scaled_lengths
+from loadtest.lib.workload import DEFAULT_TRACE, REPO, TraceRecord, TraceScaling, read_trace, scaled_lengths
 
 AIPERF = REPO / ".venv-aiperf" / "bin" / "aiperf"
 CPU_TRACE = REPO / "loadtest" / "traces" / "mooncake_cpu.jsonl"
@@ -99,7 +99,8 @@ def _served_checkpoint(model_path: str) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.aiperf_replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.external.aiperf_replay",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the stack's router.http_address")
     parser.add_argument("--model", default="embedded", help="router.served_model_name, or model.path")
     parser.add_argument("--tokenizer", type=Path, help="the served checkpoint's folder; default: that of --model")
