@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loadtest.stack.bench_long_prompt import kv_token_bytes, model_shape
+from loadtest.lib.model_costs import kv_token_bytes, model_shape
 from tests.stack import REPO
 
 

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from loadtest.lib import workload
 from loadtest.lib.percentiles import quantile
+from loadtest.lib.stack_settings import gpu_stack_settings
 from loadtest.stack import serving_metrics as metrics
 from loadtest.stack import worker_balance
-from loadtest.stack.bench_gpu_stack import gpu_stack_settings
 from loadtest.stack.bench_serving import decodes_share_weights, modes_to_run, parse_args, stack_settings
 from loadtest.stack.serving_client import replay
 from loadtest.stack.serving_modes import MODES, MpsSplit, Topology

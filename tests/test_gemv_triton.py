@@ -243,7 +243,7 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     choices, and an eager step forced onto the GEMV, give cuBLAS's logits."""
     from services.decode.cuda_graphs import GraphedDecode
     from shared.kv.pages import PageAllocator
-    from shared.kv.pool import allocate_local_pool, make_layout
+    from shared.kv.pool import allocate_local_pool
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs
@@ -251,7 +251,7 @@ def test_decode_chooses_per_shape_and_keeps_the_logits(dtype):
     hf = random_hf_model("random:llama-tiny", dtype, "cuda:0")
     chosen, forced, cublas = (PagedLlama.from_hf(hf, "cuda:0") for _ in range(3))
     forced.linears, cublas.linears = LinearChooser("gemv"), LinearChooser("cublas")
-    layout = make_layout(chosen.num_layers, 256, 16, chosen.num_kv_heads, chosen.head_dim, dtype)
+    layout = chosen.kv_layout(256, 16)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     graphs = GraphedDecode(chosen, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
@@ -295,13 +295,13 @@ def test_a_bucket_with_cublas_matmuls_keeps_its_faster_capture():
     faster capture is kept, and either gives the eager step's logits."""
     from services.decode.cuda_graphs import GraphedDecode
     from shared.kv.pages import PageAllocator
-    from shared.kv.pool import allocate_local_pool, make_layout
+    from shared.kv.pool import allocate_local_pool
     from shared.model.llama import PagedLlama
     from shared.model.presets import random_hf_model
     from tests.decode_inputs import prefilled_step_inputs
 
     model = PagedLlama.from_hf(random_hf_model("random:llama-tiny", torch.float32, "cuda:0"), "cuda:0")
-    layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
+    layout = model.kv_layout(256, 16)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     scratch = allocator.allocate(1)[0]

@@ -1,5 +1,5 @@
 """loadtest/lib/generate_client.py: the request every load tool sends, and one stream read into a record,
-blocking and with grpc.aio alike."""
+blocking and with grpc.aio alike; the benchmarks' call that must come back whole."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import grpc
 import pytest
 from pdserve.v1 import generation_pb2
 
-from loadtest.lib.generate_client import STAGE_FIELDS, StreamRecord, generate_request, read_stream, read_stream_async
+from loadtest.lib.generate_client import (STAGE_FIELDS, StreamRecord, generate_or_raise, generate_request, read_stream,
+                                          read_stream_async)
 from loadtest.lib.workload import RequestSpec
 
 SPEC = RequestSpec("fixed", (5, 6, 7), 9, seed=3)
@@ -73,3 +74,32 @@ def test_a_failed_stream_keeps_its_status_and_has_no_latencies():
     assert (record.code, record.details, record.ended_s, record.tokens) == ("UNAVAILABLE", "worker died", 2.0, 1)
     assert not record.ok and record.ttft_s is None and record.tpot_s is None and record.e2e_s is None
     assert record.timings is None and record.finish_reason == ""
+
+
+async def failing_async():
+    yield generation_pb2.GenerateResponse(token_ids=[1])
+    raise Unavailable()
+
+
+class Stub:
+    """A Generate stub whose every call streams what `chunks()` yields."""
+
+    def __init__(self, chunks):
+        self.chunks, self.requests = chunks, []
+
+    def Generate(self, request, timeout: float):
+        self.requests.append(request)
+        return self.chunks()
+
+
+def test_a_benchmark_call_comes_back_whole_or_raises():
+    stub = Stub(lambda: as_async(stream()))
+    record = asyncio.run(generate_or_raise(stub, [5, 6], 4, 10.0, "r-2"))
+    assert record.token_ids == [1, 2, 3, 4]
+    (request,) = stub.requests
+    assert request.request_id == "r-2" and list(request.prompt_token_ids) == [5, 6] and request.max_tokens == 4
+    assert request.ignore_eos and request.temperature == 0.0
+    with pytest.raises(RuntimeError, match="r-3: 4 tokens, expected 5"):
+        asyncio.run(generate_or_raise(Stub(lambda: as_async(stream())), [5], 5, 10.0, "r-3"))
+    with pytest.raises(RuntimeError, match="a request of 1 tokens: request failed: UNAVAILABLE: worker died"):
+        asyncio.run(generate_or_raise(Stub(failing_async), [5], 4, 10.0))

@@ -138,7 +138,7 @@ def test_graphed_decode_equals_eager():
     from tests.decode_inputs import prefilled_step_inputs
 
     model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
-    layout = make_layout(model.num_layers, 256, 16, model.num_kv_heads, model.head_dim, torch.float32)
+    layout = model.kv_layout(256, 16)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
@@ -162,7 +162,7 @@ def test_programmatic_launch_leaves_the_step_bit_identical():
     device = torch.device("cuda:0")
     assert triton_support.pdl_options(device)["USE_PDL"] == (torch.cuda.get_device_capability(0) >= (9, 0))
     model = load_paged_llama("random:llama-tiny", "bfloat16", "cuda:0")
-    layout = make_layout(model.num_layers, 512, 16, model.num_kv_heads, model.head_dim, torch.bfloat16)
+    layout = model.kv_layout(512, 16)
     pool, _ = allocate_local_pool(layout, "cuda:0")
     allocator = PageAllocator(layout.num_pages)
     scratch = allocator.allocate(1)[0]
@@ -223,7 +223,7 @@ def test_fused_gpu_decode_equals_the_cpu_path():
     hf = random_hf_model("random:llama-tiny", torch.float32, "cuda:0")
     gpu = PagedLlama.from_hf(hf, "cuda:0")
     cpu = PagedLlama.from_hf(hf.cpu(), "cpu")
-    layout = make_layout(gpu.num_layers, 16, 16, gpu.num_kv_heads, gpu.head_dim, torch.float32)
+    layout = gpu.kv_layout(16, 16)
     pools = {"cuda:0": allocate_local_pool(layout, "cuda:0")[0], "cpu": allocate_local_pool(layout, "cpu")[0]}
     logits = {}
     for device, model in (("cuda:0", gpu), ("cpu", cpu)):
@@ -243,7 +243,7 @@ def test_prefill_after_a_cached_prefix_on_the_gpu_equals_the_whole_prefill(dtype
     from shared.model.presets import random_hf_model
 
     model = PagedLlama.from_hf(random_hf_model("random:llama-tiny", dtype, "cuda:0"), "cuda:0")
-    layout = make_layout(model.num_layers, 32, 16, model.num_kv_heads, model.head_dim, dtype)
+    layout = model.kv_layout(32, 16)
     pool = allocate_local_pool(layout, "cuda:0")[0]
     prompt = list(range(5, 105))
     whole = model.prefill(prompt, pool, list(range(7))).float()

@@ -214,8 +214,7 @@ def test_gpu_prefill_and_decode_on_quantized_pages_equal_the_cpu_path(kv_dtype):
     models = {"cuda:0": PagedLlama.from_hf(hf, "cuda:0"), "cpu": PagedLlama.from_hf(hf.cpu(), "cpu")}
     logits = {}
     for device, model in models.items():
-        layout = make_layout(model.num_layers, 16, 16, model.num_kv_heads, model.head_dim,
-                             kv_quant.storage_dtype(kv_dtype, torch.float32))
+        layout = model.kv_layout(16, 16, kv_dtype)
         pool = allocate_local_pool(layout, device)[0]
         whole = model.prefill(list(range(5, 45)), pool, [3, 7, 1])
         chunked = model.prefill(list(range(60, 93)), pool, [9, 2, 4], chunk_tokens=16)

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from pdserve.v1 import generation_pb2
-from shared.kernels import kv_quant
 from shared.kv.pages import pages_for
-from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.pool import allocate_local_pool
 from shared.model.llama import load_paged_llama
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference
@@ -63,9 +62,7 @@ class QuantizedReference:
 
     def __init__(self, model, kv_dtype: str):
         self.model = model
-        layout = make_layout(model.num_layers, 64, PAGE, model.num_kv_heads, model.head_dim,
-                             kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
-        self.pool = allocate_local_pool(layout, "cpu")[0]
+        self.pool = allocate_local_pool(model.kv_layout(64, PAGE, kv_dtype), "cpu")[0]
 
     def greedy(self, prompt: list[int], pages: list[int], start: int = 0,
                threads: int = 1) -> tuple[list[int], list[torch.Tensor]]:

@@ -7,7 +7,7 @@ import torch
 
 from shared.kernels import kv_quant
 from shared.kv.pages import pages_for
-from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.pool import allocate_local_pool
 from shared.model.llama import load_paged_llama
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Les fleurs du jardin sont très belles et"]
@@ -24,7 +24,7 @@ def model(checkpoint):
 
 @pytest.fixture()
 def pool(model):
-    layout = make_layout(model.num_layers, 48, 16, model.num_kv_heads, model.head_dim, torch.float32)
+    layout = model.kv_layout(48, 16)
     return allocate_local_pool(layout, "cpu")[0]
 
 
@@ -105,8 +105,7 @@ def test_prefill_after_a_cached_prefix_equals_the_whole_prefill(model, pool, tok
 
 
 def quantized_pool(model, kv_dtype: str, num_pages: int = 48):
-    layout = make_layout(model.num_layers, num_pages, 16, model.num_kv_heads, model.head_dim,
-                         kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
+    layout = model.kv_layout(num_pages, 16, kv_dtype)
     return allocate_local_pool(layout, model.device)[0]
 
 
@@ -193,7 +192,7 @@ def test_random_preset_builds_the_8b_shape():
     config = preset_config("random:llama-3.1-8b")
     assert (config.num_hidden_layers, config.num_key_value_heads, config.intermediate_size) == (32, 8, 14336)
     tiny = load_paged_llama("random:llama-tiny", "float32", "cpu")
-    layout = make_layout(tiny.num_layers, 8, 16, tiny.num_kv_heads, tiny.head_dim, torch.float32)
+    layout = tiny.kv_layout(8, 16)
     tiny_pool = allocate_local_pool(layout, "cpu")[0]
     logits = tiny.prefill([1, 5, 9, 13], tiny_pool, [0])
     assert logits.shape == (32000,) and torch.isfinite(logits).all()

@@ -2,7 +2,7 @@
 
     python -m loadtest.engine.bench_gemv_configs [--rows 1,8] [--top 8] [--out FILE]
 
-What chose shared/model/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
+What chose shared/kernels/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
 batch (tensor cores), reads each Llama-3.1-8B weight shape, timed as the decode's LinearChooser
 times its candidates (back to back in a CUDA graph, weights rotated past L2). In the same run:
 cuBLAS on the same shape (the baseline), and the floor, the weight's bytes over the device's copy
@@ -18,7 +18,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from loadtest.engine.bench_gpu import copy_bandwidth_gbs
+from loadtest.lib.device_rates import copy_bandwidth_gbs
 from loadtest.lib.report import emit
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import triton

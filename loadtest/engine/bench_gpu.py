@@ -26,64 +26,21 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from loadtest.lib.decode_batch import decode_batch
+from loadtest.lib.device_rates import GIB, copy_bandwidth_gbs, cuda_time_ms, matmul_tflops
+from loadtest.lib.model_costs import kv_token_bytes, prefill_flops, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
-from services.decode.step_inputs import DecodingRequest, step_inputs
-from shared.control.messages import SamplingParams, StopParams
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import allow_pdl
 from shared.kv.pages import PageAllocator, pages_for
-from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.pool import allocate_local_pool, token_bytes
 from shared.model import presets
 from shared.model.linear_choice import LinearChooser, time_per_call_ms
 from shared.model.llama import PagedLlama
 
-GIB = 1 << 30
 _QUEUED_STEPS = 10
-
-
-def cuda_time_ms(fn, iterations: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)
-
-
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(4 * GIB, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = cuda_time_ms(lambda: dst.copy_(src), 10)[0]
-    return 2 * 4 * GIB / (best / 1e3) / 1e9
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn_like(a)
-    best = cuda_time_ms(lambda: a @ b, 10)[0]
-    return 2 * 8192 ** 3 / (best / 1e3) / 1e12
-
-
-def weight_bytes_per_step(model: PagedLlama) -> int:
-    """Every weight a decode step reads: all layers, final norm and lm_head (embedding rows are negligible)."""
-    tensors = [model.final_norm, model.lm_head]
-    for layer in model.layers:
-        tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def prefill_flops(model: PagedLlama, tokens: int) -> float:
-    """Matmul FLOPs of a prompt: 2 * params per token for the linears, plus causal attention."""
-    linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
-    attention = 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
-    return 2 * linear * tokens + 2 * model.lm_head.numel() + attention
 
 
 def transformers_baseline(path: str, context: int) -> dict:
@@ -101,11 +58,10 @@ def transformers_baseline(path: str, context: int) -> dict:
 def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], bandwidth_gbs: float,
                  budget_bytes: int) -> list[dict]:
     page_size = 16
-    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.embed.element_size()
+    kv_per_token = kv_token_bytes(model, "bfloat16", page_size)
     feasible = [(b, c) for b in batches for c in contexts if b * (c + page_size) * kv_per_token < budget_bytes]
     pages = max(b * pages_for(c + page_size, page_size) for b, c in feasible) + 1
-    layout = make_layout(model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim, model.embed.dtype)
-    pool, _ = allocate_local_pool(layout, "cuda")
+    pool, _ = allocate_local_pool(model.kv_layout(pages, page_size), "cuda")
     weights = weight_bytes_per_step(model)
     max_pages = pages_for(max(contexts) + page_size, page_size)
     results = []
@@ -117,9 +73,8 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
         for context in contexts:
             if (batch, context) not in feasible:
                 continue
-            requests = [DecodingRequest(str(i), allocator.allocate(pages_for(context + 1, page_size)), context - 1,
-                                        1, 1, SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
-            inputs = step_inputs(requests, page_size, torch.device("cuda"))
+            batched = decode_batch(allocator, [context] * batch, page_size, "cuda")
+            inputs = batched.inputs
             graphed = cuda_time_ms(lambda: graphs.step(inputs), 100)
             # Steps queued back to back: the device's time per step, without the host's launch gap
             # between the start event and each step (a single step's timing includes it).
@@ -133,8 +88,8 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
                             "queued_ms_per_step": queued_ms, "queued_ratio_to_floor": queued_ms / floor_ms,
                             "all_matmuls_on_gemv": batch in model.linears.gemv_rows,
                             "capture_timings": graphs.matmul_timings.get(batch)})
-            for r in requests:
-                allocator.free(r.pages)
+            for request in batched.requests:
+                allocator.free(request.pages)
     skipped = [{"batch": b, "context": c, "kv_gib": b * c * kv_per_token / GIB}
                for b in batches for c in contexts if (b, c) not in feasible]
     return results + [{"skipped_kv_does_not_fit": skipped}] if skipped else results
@@ -168,9 +123,7 @@ def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> l
 
 def bench_prefill(model: PagedLlama, lengths: list[int], tflops: float, chunk: int) -> list[dict]:
     page_size = 16
-    layout = make_layout(model.num_layers, pages_for(max(lengths), page_size), page_size, model.num_kv_heads,
-                         model.head_dim, model.embed.dtype)
-    pool, _ = allocate_local_pool(layout, "cuda")
+    pool, _ = allocate_local_pool(model.kv_layout(pages_for(max(lengths), page_size), page_size), "cuda")
     results = []
     for length in lengths:
         ids = torch.randint(0, model.vocab_size, (length,)).tolist()
@@ -187,7 +140,7 @@ def bench_handoff(model: PagedLlama, lengths: list[int], bandwidth_gbs: float) -
     """The decode's pull: one batched gather of a request's pages from the prefill pool."""
     page_size = 16
     pages = pages_for(max(lengths), page_size)
-    layout = make_layout(model.num_layers, pages, page_size, model.num_kv_heads, model.head_dim, model.embed.dtype)
+    layout = model.kv_layout(pages, page_size)
     src, _ = allocate_local_pool(layout, "cuda")
     dst, _ = allocate_local_pool(layout, "cuda")
     results = []
@@ -196,7 +149,7 @@ def bench_handoff(model: PagedLlama, lengths: list[int], bandwidth_gbs: float) -
         src_ids = torch.randperm(pages, device="cuda")[:count]
         dst_ids = torch.randperm(pages, device="cuda")[:count]
         times = cuda_time_ms(lambda: dst.copy_pages_from(src, src_ids, dst_ids), 20)
-        nbytes = 2 * model.num_layers * count * page_size * model.num_kv_heads * model.head_dim * 2
+        nbytes = count * page_size * token_bytes(layout)
         results.append({"tokens": length, "kv_mib": nbytes / (1 << 20), "copy_ms_p50": quantile(times, 0.5),
                         "floor_ms": 2 * nbytes / (bandwidth_gbs * 1e9) * 1e3})
     return results
@@ -233,8 +186,8 @@ def main() -> None:
         "transformers_generate": baseline,
         "linears": bench_linears(model, ints(args.linear_rows), bandwidth),
     }
-    # The decode steps come before the prefill: right after the prefill, the first batch-1 steps
-    # measured 0.1 ms slower than the same step later in the same run.
+    # The decode steps come before the prefill: right after it, the first decode steps ran slower
+    # than the same steps later in the run (docs/BENCHMARKS.md, Decode step).
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     report["decode"] = bench_decode(model, ints(args.batches), ints(args.contexts), bandwidth, int(free * 0.85))

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loadtest.lib.model_costs import kv_token_bytes
 from loadtest.lib.report import emit
-from shared.kernels import kv_quant
 from shared.kv.pages import pages_for
-from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
+from shared.kv.pool import allocate_local_pool
 from shared.model import presets
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import resolve_checkpoint
@@ -76,9 +76,7 @@ def generate(model: PagedLlama, prompts: list[list[int]], kv_dtype: str, steps: 
     """Greedy decoding of every prompt in one batch, with pages in kv_dtype; `forced` [prompts,
     steps]: the tokens to feed instead of the run's own."""
     pages_each = [pages_for(len(ids) + steps, PAGE_SIZE) for ids in prompts]
-    layout = make_layout(model.num_layers, sum(pages_each), PAGE_SIZE, model.num_kv_heads, model.head_dim,
-                         kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
-    pool, _buffer = allocate_local_pool(layout, model.device)
+    pool, _buffer = allocate_local_pool(model.kv_layout(sum(pages_each), PAGE_SIZE, kv_dtype), model.device)
     starts = [sum(pages_each[:i]) for i in range(len(prompts))]
     table = torch.zeros((len(prompts), max(pages_each)), dtype=torch.long)
     for row, (start, count) in enumerate(zip(starts, pages_each)):
@@ -120,11 +118,6 @@ def top2_margins(run: Run) -> dict:
     return {f"p{q}": margins.quantile(q / 100).item() for q in (10, 50, 90)}
 
 
-def kv_bytes_per_token(model: PagedLlama, kv_dtype: str) -> int:
-    return token_bytes(make_layout(model.num_layers, 1, PAGE_SIZE, model.num_kv_heads, model.head_dim,
-                                   kv_quant.storage_dtype(kv_dtype, model.embed.dtype)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_kv_accuracy")
     parser.add_argument("--model", default="embedded", help="a checkpoint, 'embedded', or random:<preset>")
@@ -141,18 +134,19 @@ def main() -> None:
     model = load_paged_llama(checkpoint, dtype, args.device)
     prompts = prompts_for(args.model, checkpoint, model.vocab_size, args.prompts, args.prompt_tokens)
     reference = generate(model, prompts, "bfloat16", args.tokens)
+    reference_bytes = kv_token_bytes(model, "bfloat16", PAGE_SIZE)
     report = {
         "model": args.model, "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "torch": torch.__version__, "dtype": dtype, "tokens": args.tokens,
         "prompt_tokens": [len(ids) for ids in prompts],
-        "reference": f"kv.dtype bfloat16: unquantized {dtype} pages, {kv_bytes_per_token(model, 'bfloat16')} bytes/token",
+        "reference": f"kv.dtype bfloat16: unquantized {dtype} pages, {reference_bytes} bytes/token",
         "reference_top2_margin": top2_margins(reference),
         "formats": {},
     }
     for kv_dtype in QUANTIZED:
         forced = generate(model, prompts, kv_dtype, args.tokens, forced=reference.tokens)
         free = generate(model, prompts, kv_dtype, args.tokens)
-        report["formats"][kv_dtype] = {"kv_bytes_per_token": kv_bytes_per_token(model, kv_dtype),
+        report["formats"][kv_dtype] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
                                        **compare(reference, forced, free)}
     emit(report, args.out)
 

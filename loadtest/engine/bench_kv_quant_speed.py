@@ -17,15 +17,14 @@ import argparse
 
 import torch
 
-from loadtest.engine.bench_gpu import copy_bandwidth_gbs, cuda_time_ms, weight_bytes_per_step
+from loadtest.lib.decode_batch import decode_batch, request_pages
+from loadtest.lib.device_rates import copy_bandwidth_gbs, cuda_time_ms
+from loadtest.lib.model_costs import weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
-from services.decode.step_inputs import DecodingRequest, step_inputs
-from shared.control.messages import SamplingParams, StopParams
-from shared.kernels import kv_quant
 from shared.kv.pages import PageAllocator, pages_for
-from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
+from shared.kv.pool import allocate_local_pool, token_bytes
 from shared.model import presets
 from shared.model.llama import PagedLlama
 
@@ -33,20 +32,13 @@ PAGE_SIZE = 16
 KV_DTYPES = ("bfloat16", "float8_e4m3", "int8")
 
 
-def layout_for(model: PagedLlama, kv_dtype: str, num_pages: int):
-    return make_layout(model.num_layers, num_pages, PAGE_SIZE, model.num_kv_heads, model.head_dim,
-                       kv_quant.storage_dtype(kv_dtype, model.embed.dtype))
-
-
 def bench_decode(model: PagedLlama, kv_dtype: str, batch: int, context: int, bandwidth_gbs: float) -> dict:
-    per_request = pages_for(context + 1, PAGE_SIZE)
-    layout = layout_for(model, kv_dtype, batch * per_request + 1)
+    per_request = request_pages(context, PAGE_SIZE)
+    layout = model.kv_layout(batch * per_request + 1, PAGE_SIZE, kv_dtype)
     pool, _buffer = allocate_local_pool(layout, "cuda")
     allocator = PageAllocator(layout.num_pages)
     graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], per_request, [batch])
-    requests = [DecodingRequest(str(i), allocator.allocate(per_request), context - 1, 1, 1, SamplingParams(0, 1, 0, 0),
-                                StopParams(1, True)) for i in range(batch)]
-    inputs = step_inputs(requests, PAGE_SIZE, torch.device("cuda"))
+    inputs = decode_batch(allocator, [context] * batch, PAGE_SIZE, "cuda").inputs
     times = cuda_time_ms(lambda: graphs.step(inputs), 100)
     kv_read = batch * context * token_bytes(layout)
     floor_ms = (weight_bytes_per_step(model) + kv_read) / (bandwidth_gbs * 1e9) * 1e3
@@ -57,7 +49,7 @@ def bench_decode(model: PagedLlama, kv_dtype: str, batch: int, context: int, ban
 
 def bench_handoff(model: PagedLlama, kv_dtype: str, tokens: int) -> dict:
     count = pages_for(tokens, PAGE_SIZE)
-    layout = layout_for(model, kv_dtype, count)
+    layout = model.kv_layout(count, PAGE_SIZE, kv_dtype)
     src, _src_buffer = allocate_local_pool(layout, "cuda")
     dst, _dst_buffer = allocate_local_pool(layout, "cuda")
     src_ids, dst_ids = torch.randperm(count, device="cuda"), torch.randperm(count, device="cuda")

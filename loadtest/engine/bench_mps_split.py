@@ -43,17 +43,17 @@ from pathlib import Path
 
 import torch
 
-from loadtest.engine.bench_gpu import cuda_time_ms, prefill_flops
+from loadtest.lib.decode_batch import decode_batch, request_pages
+from loadtest.lib.device_rates import cuda_time_ms
+from loadtest.lib.model_costs import prefill_flops
 from loadtest.lib.mps_daemon import MpsDaemon, find_mps_control, run_quiet, tail
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
-from services.decode.step_inputs import DecodingRequest, step_inputs
 from services.stack.supervisor import Service, Supervisor
-from shared.control.messages import SamplingParams, StopParams
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.pages import PageAllocator, pages_for
-from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.pool import allocate_local_pool
 from shared.model import presets
 from shared.model.llama import PagedLlama
 from shared.runtime.process import die_with_parent
@@ -120,17 +120,15 @@ def build_model(path: str, seed: int) -> PagedLlama:
     return model
 
 
-def decode_batch(model: PagedLlama, batch: int, context: int):
+def decode_pool_and_batch(model: PagedLlama, batch: int, context: int):
     """`batch` requests of `context` tokens in a pool laid out as the decode worker's: the graphs'
     scratch page past the allocator's pages, the graphs' page table as wide as the pool."""
-    allocator = PageAllocator(batch * pages_for(context + PAGE_SIZE, PAGE_SIZE))
-    layout = make_layout(model.num_layers, allocator.num_pages + 1, PAGE_SIZE, model.num_kv_heads, model.head_dim,
-                         model.embed.dtype)
+    allocator = PageAllocator(batch * request_pages(context, PAGE_SIZE, spare_tokens=PAGE_SIZE))
+    layout = model.kv_layout(allocator.num_pages + 1, PAGE_SIZE)
     pool, _ = allocate_local_pool(layout, model.device)
-    requests = [DecodingRequest(str(i), allocator.allocate(pages_for(context + PAGE_SIZE, PAGE_SIZE)), context - 1,
-                                1, 1, SamplingParams(0, 1, 0, 0), StopParams(1, True)) for i in range(batch)]
+    inputs = decode_batch(allocator, [context] * batch, PAGE_SIZE, model.device, spare_tokens=PAGE_SIZE).inputs
     graph_pages = min(pages_for(model.max_context, PAGE_SIZE), layout.num_pages)
-    return pool, allocator.num_pages, graph_pages, step_inputs(requests, PAGE_SIZE, model.device)
+    return pool, allocator.num_pages, graph_pages, inputs
 
 
 def decode_child(args, send) -> None:
@@ -138,7 +136,7 @@ def decode_child(args, send) -> None:
     model = build_model(args.model, args.seed)
     stream = worker_stream(model.device, high_priority=True)
     with on_stream(stream):
-        pool, scratch, max_pages, inputs = decode_batch(model, args.decode_batch, args.decode_context)
+        pool, scratch, max_pages, inputs = decode_pool_and_batch(model, args.decode_batch, args.decode_context)
         graphs = GraphedDecode(model, pool, scratch, max_pages, [args.decode_batch])
         if graphs.step(inputs) is None:
             raise RuntimeError(f"batch {args.decode_batch} did not run as a graph")
@@ -167,9 +165,7 @@ def prefill_child(args, send) -> None:
     model = build_model(args.model, args.seed)
     stream = worker_stream(model.device, high_priority=False)
     pages = list(range(pages_for(args.prompt_tokens, PAGE_SIZE)))
-    layout = make_layout(model.num_layers, len(pages), PAGE_SIZE, model.num_kv_heads, model.head_dim,
-                         model.embed.dtype)
-    pool, _ = allocate_local_pool(layout, model.device)
+    pool, _ = allocate_local_pool(model.kv_layout(len(pages), PAGE_SIZE), model.device)
     ids = torch.randint(0, model.vocab_size, (args.prompt_tokens,)).tolist()
 
     def run():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from loadtest.engine.bench_gpu import cuda_time_ms, matmul_tflops
+from loadtest.lib.device_rates import cuda_time_ms, matmul_tflops
 from loadtest.lib.report import emit
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B

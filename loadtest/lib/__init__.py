@@ -1,2 +1,1 @@
-"""What the load tools and benchmarks share: the Generate client, the workloads, percentiles,
-reports and the MPS daemon."""
+"""What the load tools and benchmarks share (loadtest/README.md lists each module's job)."""

@@ -6,13 +6,14 @@ tool's own flag asks for sampling, so that tools and runs compare. Every tool re
 into a StreamRecord: what the client saw, and where the time went inside pdserve as the server
 measured it (the last chunk's StageTimings), so that no tool needs the services' logs. The loop
 over the stream is written twice, once blocking (locust, whose grpc gevent patches) and once for
-grpc.aio (the benchmarks); both feed the same record.
+grpc.aio (the benchmarks); both feed the same record. A benchmark that measures only complete
+requests sends each with generate_or_raise.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -128,3 +129,17 @@ async def generate(stub, request: generation_pb2.GenerateRequest, timeout_s: flo
     record = record if record is not None else StreamRecord()
     record.started_s = clock()
     return await read_stream_async(stub.Generate(request, timeout=timeout_s), record, clock)
+
+
+async def generate_or_raise(stub, prompt_token_ids: Sequence[int], max_tokens: int, timeout_s: float,
+                            request_id: str = "") -> StreamRecord:
+    """One greedy call, EOS ignored, for a benchmark that measures only complete requests: raises
+    RuntimeError unless it succeeded with exactly max_tokens tokens."""
+    spec = RequestSpec("bench", tuple(prompt_token_ids), max_tokens, seed=0)
+    record = await generate(stub, generate_request(spec, request_id), timeout_s)
+    name = request_id or f"a request of {len(spec.prompt_token_ids)} tokens"
+    if not record.ok:
+        raise RuntimeError(f"{name}: request failed: {record.code}: {record.details}")
+    if record.tokens != max_tokens:
+        raise RuntimeError(f"{name}: {record.tokens} tokens, expected {max_tokens} (ignore_eos)")
+    return record

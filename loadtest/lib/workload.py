@@ -87,9 +87,8 @@ class TraceScaling:
 
     whole_conversations: below 1, rate_scale keeps that share of the conversations, each with all
     its requests, instead of every k-th request. A later turn repeats the blocks of the turns before
-    it, so thinning by request drops the turn whose prefix the next one would find cached: in the
-    conversation trace's first 10 minutes 28% of the blocks continue a prefix seen earlier in that
-    window, and 6% once every 10th request is kept.
+    it, so thinning by request drops the turn whose prefix the next one would find cached
+    (docs/BENCHMARKS.md, the prefix cache on the production trace, says how many blocks each keeps).
     """
 
     time_scale: float = 1.0

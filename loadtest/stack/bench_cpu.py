@@ -29,15 +29,15 @@ import torch
 import transformers
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest.lib.generate_client import STAGE_FIELDS, StreamRecord, generate, generate_request
+from loadtest.lib.generate_client import STAGE_FIELDS, StreamRecord, generate_or_raise
+from loadtest.lib.model_costs import model_shape, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
-from loadtest.lib.workload import RequestSpec
+from loadtest.lib.stack_settings import MODEL_CACHE_DIR
 from services.stack.local import LocalStack
 from shared.model.loader import resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 
-CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 PROMPT_LENGTHS = (16, 256, 1024)
 CONCURRENT_REQUESTS = 8
 CONCURRENT_PROMPT_LENGTH = 256
@@ -89,16 +89,6 @@ def client_metrics(record: StreamRecord) -> dict[str, float]:
     }
 
 
-async def stream_request(stub, request_id: str, prompt: list[int], max_tokens: int) -> StreamRecord:
-    request = generate_request(RequestSpec("bench", tuple(prompt), max_tokens, seed=0), request_id)
-    record = await generate(stub, request, REQUEST_TIMEOUT_S)
-    if not record.ok:
-        raise RuntimeError(f"{request_id}: request failed: {record.code}: {record.details}")
-    if record.tokens != max_tokens:
-        raise RuntimeError(f"{request_id}: {record.tokens} tokens, expected {max_tokens} (ignore_eos)")
-    return record
-
-
 async def run_stack(address: str, prompts: dict[int, list[int]], max_tokens: int, repeats: int):
     """Sequential streams per prompt length, then the concurrent batch, with its wall time."""
     async with grpc.aio.insecure_channel(address) as channel:
@@ -106,12 +96,14 @@ async def run_stack(address: str, prompts: dict[int, list[int]], max_tokens: int
         sequential = {}
         for n, prompt in prompts.items():
             progress(f"stack: {n}-token prompt, {repeats} repetition(s)")
-            await stream_request(stub, f"bench-warmup-{n}", prompt, 2)
-            sequential[n] = [await stream_request(stub, f"bench-{n}-{r}", prompt, max_tokens) for r in range(repeats)]
+            await generate_or_raise(stub, prompt, 2, REQUEST_TIMEOUT_S, f"bench-warmup-{n}")
+            sequential[n] = [await generate_or_raise(stub, prompt, max_tokens, REQUEST_TIMEOUT_S, f"bench-{n}-{r}")
+                             for r in range(repeats)]
         progress(f"stack: {CONCURRENT_REQUESTS} concurrent {CONCURRENT_PROMPT_LENGTH}-token requests")
         prompt = prompts[CONCURRENT_PROMPT_LENGTH]
         started = time.perf_counter()
-        concurrent = await asyncio.gather(*(stream_request(stub, f"bench-concurrent-{i}", prompt, max_tokens)
+        concurrent = await asyncio.gather(*(generate_or_raise(stub, prompt, max_tokens, REQUEST_TIMEOUT_S,
+                                                              f"bench-concurrent-{i}")
                                             for i in range(CONCURRENT_REQUESTS)))
         return sequential, concurrent, time.perf_counter() - started
 
@@ -220,14 +212,6 @@ def memory_bandwidth_gbs(repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
-def weight_bytes_per_step(model) -> int:
-    """Every parameter is read once per decode step, except an untied input embedding, of which a
-    step gathers only one row per token (parameters() already counts a tied lm_head once)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return total if embed.data_ptr() == head.data_ptr() else total - embed.numel() * embed.element_size()
-
-
 # ---- the report ----
 
 def comparison(stack: dict, baseline: dict, floor_tokens_per_s: float, same_tokens: dict[int, bool]) -> dict:
@@ -287,9 +271,9 @@ def bench_transformers(model, prompts: dict[int, list[int]], max_tokens: int, re
     return reports, tokens
 
 
-def decode_floor(model) -> dict:
+def decode_floor(checkpoint) -> dict:
     progress("memory bandwidth, one thread")
-    bandwidth, weight_bytes = memory_bandwidth_gbs(), weight_bytes_per_step(model)
+    bandwidth, weight_bytes = memory_bandwidth_gbs(), weight_bytes_per_step(model_shape(checkpoint, torch.float32))
     return {"memory_bandwidth_gbs": round(bandwidth, 3), "memory_bandwidth_threads": 1,
             "weight_bytes_per_decode_step": weight_bytes,
             "decode_floor_ms_per_token": round(weight_bytes / (bandwidth * 1e9) * 1e3, 3)}
@@ -299,12 +283,12 @@ def run(quick: bool) -> dict:
     repeats, max_tokens = (1, 8) if quick else (5, 32)
     report = {"machine": machine_info(), "settings": {"quick": quick, "repetitions": repeats,
                                                        "max_tokens": max_tokens, "greedy": True, "ignore_eos": True}}
-    checkpoint = resolve_checkpoint("embedded", CACHE_DIR)  # converted here once, before three processes race
+    checkpoint = resolve_checkpoint("embedded", MODEL_CACHE_DIR)  # converted here once, before three processes race
     prompts = make_prompts(load_tokenizer(checkpoint), PROMPT_LENGTHS)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as work:
         progress("starting the stack")
         # The model is pinned to the baseline's; other PDSERVE_* variables (pinning, pools) pass through.
-        with LocalStack(Path(work), CACHE_DIR, PDSERVE_MODEL_PATH="embedded") as stack:
+        with LocalStack(Path(work), MODEL_CACHE_DIR, PDSERVE_MODEL_PATH="embedded") as stack:
             part, sequential = bench_stack(stack, prompts, max_tokens, repeats)
             report["machine"]["stack_threads"] = part.pop("stack_threads")
             report.update(part)
@@ -312,7 +296,7 @@ def run(quick: bool) -> dict:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
             report["machine"]["transformers_torch_threads"] = torch.get_num_threads()
             report["transformers"], tokens = bench_transformers(model, prompts, max_tokens, repeats)
-            report.update(decode_floor(model))
+            report.update(decode_floor(checkpoint))
             progress("stopping the stack")
     same_tokens = {n: tokens[n] == sequential[n][0].token_ids for n in prompts}
     floor_tokens_per_s = 1e3 / report["decode_floor_ms_per_token"]

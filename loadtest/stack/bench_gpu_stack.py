@@ -33,13 +33,13 @@ from pathlib import Path
 import grpc
 from pdserve.v1 import generation_pb2_grpc
 
-from loadtest.lib.generate_client import StreamRecord, generate, generate_request
+from loadtest.lib.generate_client import StreamRecord, generate_or_raise
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
-from loadtest.lib.workload import RequestSpec
+from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
 from services.stack.local import SERVICES, LocalStack
 
-CACHE_DIR = "~/.cache/pdserve"
+REQUEST_TIMEOUT_S = 600.0
 
 
 def gpu_memory_mib(pids: dict[str, int]) -> dict[str, int]:
@@ -49,21 +49,14 @@ def gpu_memory_mib(pids: dict[str, int]) -> dict[str, int]:
     return {name: used.get(pid, 0) for name, pid in pids.items()}
 
 
-async def one_request(stub, prompt: list[int], max_tokens: int) -> StreamRecord:
-    record = await generate(stub, generate_request(RequestSpec("bench", tuple(prompt), max_tokens, seed=0)), 600)
-    if not record.ok:
-        raise RuntimeError(f"request failed: {record.code}: {record.details}")
-    return record
-
-
 async def throughput(address: str, vocab: int, requests: int, prompt_len: int, max_tokens: int) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        await one_request(stub, prompts[0][:64], 4)  # warm-up
+        await generate_or_raise(stub, prompts[0][:64], 4, REQUEST_TIMEOUT_S)  # warm-up
         started = time.perf_counter()
-        results = await asyncio.gather(*(one_request(stub, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(generate_or_raise(stub, p, max_tokens, REQUEST_TIMEOUT_S) for p in prompts))
         wall = time.perf_counter() - started
     tokens = sum(r.tokens for r in results)
     ttfts = [r.ttft_s for r in results]
@@ -79,8 +72,8 @@ async def handoffs(address: str, vocab: int, lengths: list[int], repeats: int = 
         stub = generation_pb2_grpc.GenerationStub(channel)
         for length in lengths:
             for _ in range(repeats):
-                record = await one_request(stub, [rng.randrange(vocab) for _ in range(length)], 3)
-                out.setdefault(length, []).append(record)
+                prompt = [rng.randrange(vocab) for _ in range(length)]
+                out.setdefault(length, []).append(await generate_or_raise(stub, prompt, 3, REQUEST_TIMEOUT_S))
     return out
 
 
@@ -96,23 +89,11 @@ def handoff_report(runs: dict[int, list[StreamRecord]]) -> list[dict]:
             for length, records in runs.items()]
 
 
-def gpu_stack_settings(model: str, services: tuple[str, ...], shared_weights: bool = True) -> dict[str, str]:
-    """The stack's settings on one GPU (sized for the 8B model on an H200); the serving benchmark's too.
-    A decode process of its own maps the prefill's weights (if shared_weights) and spins when idle."""
-    separate_decode = "decode" in services
-    return {"PDSERVE_MODEL_PATH": model, "PDSERVE_MODEL_DEVICE": "cuda:0", "PDSERVE_MODEL_DTYPE": "bfloat16",
-            "PDSERVE_KV_PREFILL_PAGES": "6144", "PDSERVE_KV_DECODE_PAGES": "8192",
-            "PDSERVE_PREFILL_CHUNK_TOKENS": "8192", "PDSERVE_DECODE_MAX_BATCH_SIZE": "128",
-            "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1,2,4,8,16,32,64,128",
-            "PDSERVE_DECODE_IDLE_SPIN_S": "1.0" if separate_decode else "0",
-            "PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0" if shared_weights and separate_decode else ""}
-
-
 def run_stack(model: str, shared_weights: bool, measure: bool, colocated: bool = False, repeats: int = 5) -> dict:
     """colocated: the router and services/colocated (one process, one copy of the weights)."""
     services = ("router", "colocated") if colocated else SERVICES
     settings = gpu_stack_settings(model, services, shared_weights)
-    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), CACHE_DIR, services=services,
+    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR, services=services,
                                                               start_timeout_s=600, **settings) as stack:
         pids = {name: p.pid for name, p in stack.processes.items()}
         result = {"services": list(services), "shared_weights": shared_weights or colocated,

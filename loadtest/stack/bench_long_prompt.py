@@ -11,10 +11,10 @@ first-call costs and the path of a chunk attending to earlier pages are paid bef
 
 In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
-  causal attention, loadtest/engine/bench_gpu.prefill_flops) at that rate;
+  causal attention, loadtest/lib/model_costs.prefill_flops) at that rate;
 - the copy bandwidth, so a decode step's floor is (weight bytes + the context's KV bytes, scales
   included: shared/kv/pool.py token_bytes) / bandwidth, at the mean context of the decoded tokens.
-On a GPU both are loadtest/engine/bench_gpu's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
+On a GPU both are loadtest/lib/device_rates.py's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
 float32 matmul and a host copy on this process's threads, labelled so: the services compute on
 their own pinned cores, so the CPU ratios show that the script works, not how close pdserve is.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
@@ -33,22 +32,19 @@ from pathlib import Path
 import grpc
 import torch
 
-from loadtest.engine import bench_gpu
-from loadtest.lib.generate_client import StreamRecord, generate, generate_request
+from loadtest.lib.device_rates import copy_bandwidth_gbs, matmul_tflops
+from loadtest.lib.generate_client import StreamRecord, generate_or_raise
+from loadtest.lib.model_costs import kv_token_bytes, model_shape, prefill_flops, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
-from loadtest.lib.workload import RequestSpec
-from loadtest.stack.bench_gpu_stack import gpu_stack_settings
+from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
 from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
 from shared.config import KvConfig, RouterConfig
-from shared.kernels import kv_quant
 from shared.kv.pages import decode_pages_needed
-from shared.kv.pool import make_layout, token_bytes
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config, resolve_checkpoint
 
-CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 GRPC_BYTES_PER_TOKEN_ID = 5  # a packed varint of up to 32 bits
 _CPU_MATMUL = 2048
 
@@ -76,30 +72,17 @@ def cpu_rates() -> dict:
 def device_rates(device: str) -> dict:
     if not device.startswith("cuda"):
         return cpu_rates()
-    rates = {"matmul_tflops": bench_gpu.matmul_tflops(), "copy_bandwidth_gbs": bench_gpu.copy_bandwidth_gbs(),
+    rates = {"matmul_tflops": matmul_tflops(), "copy_bandwidth_gbs": copy_bandwidth_gbs(),
              "measured": f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul and a 4 GiB device copy "
-                         "(loadtest/engine/bench_gpu.py), before the stack started"}
+                         "(loadtest/lib/device_rates.py), before the stack started"}
     torch.cuda.empty_cache()  # the stack needs the memory
     return rates
 
 
-def model_shape(checkpoint, dtype: torch.dtype) -> PagedLlama:
-    """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(load_hf_config(checkpoint), dtype=dtype)
-    return PagedLlama.from_hf(hf, "meta")
-
-
-def kv_token_bytes(model: PagedLlama, kv_dtype: str, page_size: int) -> int:
-    storage = kv_quant.storage_dtype(kv_dtype, model.embed.dtype)
-    return token_bytes(make_layout(model.num_layers, 1, page_size, model.num_kv_heads, model.head_dim, storage))
-
-
 def stack_settings(args, pages: int) -> dict[str, str]:
-    """bench_gpu_stack's settings on a GPU; then pools of `pages`, and the limits and timeouts of
-    the router opened to one prompt of args.tokens taking up to args.request_timeout_s."""
+    """On a GPU, the stack's settings there (loadtest/lib/stack_settings.py); then pools of `pages`,
+    and the limits and timeouts of the router opened to one prompt of args.tokens taking up to
+    args.request_timeout_s."""
     base = {"PDSERVE_MODEL_DEVICE": args.device}
     if args.device.startswith("cuda"):  # one request: one graph, batch 1
         base = gpu_stack_settings(args.model, SERVICES) | base | {"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1"}
@@ -120,16 +103,11 @@ def stack_settings(args, pages: int) -> dict[str, str]:
 
 async def one_prompt(address: str, prompt: list[int], output_tokens: int, timeout_s: float) -> StreamRecord:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        record = await generate(stub, generate_request(RequestSpec("long", tuple(prompt), output_tokens, seed=0)),
-                                timeout_s)
-    if not record.ok:
-        raise RuntimeError(f"request of {len(prompt)} tokens failed: {record.code}: {record.details}")
-    return record
+        return await generate_or_raise(generation_pb2_grpc.GenerationStub(channel), prompt, output_tokens, timeout_s)
 
 
 def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, tflops: float) -> dict:
-    flops = bench_gpu.prefill_flops(model, tokens)
+    flops = prefill_flops(model, tokens)
     bound_s = flops / (tflops * 1e12)
     return {"ttft_s": record.ttft_s, "stage_timings_s": record.timings, "flops": flops, "bound_s": bound_s,
             "ttft_over_bound": record.ttft_s / bound_s,
@@ -143,7 +121,7 @@ def decode_report(record: StreamRecord, model: PagedLlama, tokens: int, kv_bytes
     if not gaps:
         return {"skipped": "needs at least 3 output tokens"}
     context = tokens + record.tokens / 2
-    weights = bench_gpu.weight_bytes_per_step(model)
+    weights = weight_bytes_per_step(model)
     floor_s = (weights + context * kv_bytes) / (bandwidth_gbs * 1e9)
     p50 = quantile(gaps, 0.5)
     return {"steps": len(gaps), "mean_context": context, "ms_per_token_p50": p50 * 1e3,
@@ -159,10 +137,10 @@ def run(args) -> dict:
     page_size = KvConfig.page_size
     pages = args.kv_pages or decode_pages_needed(args.tokens, args.output_tokens, page_size)
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), CACHE_DIR,
+    with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR,
                                                               start_timeout_s=args.start_timeout_s,
                                                               **stack_settings(args, pages)) as stack:
-        model = model_shape(resolve_checkpoint(args.model, CACHE_DIR), dtype)
+        model = model_shape(resolve_checkpoint(args.model, MODEL_CACHE_DIR), dtype)
         vocab = model.vocab_size
         if args.warmup_tokens:
             warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
@@ -206,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    context = load_hf_config(resolve_checkpoint(args.model, CACHE_DIR)).max_position_embeddings
+    context = load_hf_config(resolve_checkpoint(args.model, MODEL_CACHE_DIR)).max_position_embeddings
     if args.tokens + args.output_tokens > context:
         sys.exit(f"--tokens + --output-tokens ({args.tokens + args.output_tokens}) exceed {args.model}'s context "
                  f"of {context}")

@@ -34,8 +34,8 @@ prefix,load, with two or more prefills, once routed by prefix and once by load a
 and computed, and the report pairs the variants (loadtest/stack/prefix_comparison.py): TTFT and goodput
 with the cache against without, and hit rate and TTFT by routing.
 
-The defaults fit a 2-core CPU with the embedded model (about 5 minutes); --gpu takes the GPU stack
-bench's settings (loadtest/stack/bench_gpu_stack.py) and adds the mps mode.
+The defaults fit a 2-core CPU with the embedded model (docs/BENCHMARKS.md says how long they take);
+--gpu takes the GPU stack's settings (loadtest/lib/stack_settings.py) and adds the mps mode.
 
 The JSON report goes to stdout and to DIR/serving.json (rewritten after every workload, so a run
 cut short keeps what it measured); `python -m loadtest.stack.plot_serving DIR/serving.json` draws it.
@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import os
 import shutil
 import signal
 import sys
@@ -58,17 +57,16 @@ import time
 from pathlib import Path
 
 from loadtest.lib.generate_client import StreamRecord
+from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
 from loadtest.stack import prefix_comparison
 from loadtest.stack import serving_metrics as metrics
 from loadtest.stack import worker_balance
-from loadtest.stack.bench_gpu_stack import gpu_stack_settings
 from loadtest.stack.serving_args import parse_args
 from loadtest.stack.serving_client import replay
 from loadtest.stack.serving_modes import MODES, Mode, serving
 from loadtest.stack.serving_workloads import Workload, mode_workloads, warm_up_schedule
 from shared.config import ConfigError, parse_devices
 
-CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 # A workload is expected to take its schedule plus this much to drain, when judging the time left.
 DRAIN_ALLOWANCE_S = 15.0
 FIRST_START_ESTIMATE_S = 60.0
@@ -128,7 +126,7 @@ def measure(mode: Mode, workloads: list[Workload], work: Path, args, clock: Cloc
     """Starts the mode, warms it up, replays each workload that fits in the time left, and stops it;
     fills entry (its report) and records (the calls, for the burst comparison) as it goes."""
     began = time.monotonic()
-    with serving(mode, work, CACHE_DIR, stack_settings(args, mode), args.mps_split, args.start_timeout_s,
+    with serving(mode, work, MODEL_CACHE_DIR, stack_settings(args, mode), args.mps_split, args.start_timeout_s,
                  args.devices) as (stack, facts):
         entry["start_s"] = time.monotonic() - began
         clock.starts_s.append(entry["start_s"])

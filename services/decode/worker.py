@@ -39,10 +39,9 @@ from shared.control.messages import (
     TokenOut,
 )
 from shared.control.router_link import WorkerLoad
-from shared.kernels import kv_quant
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
-from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.pool import allocate_local_pool
 from shared.kv.transfer import TransferState
 from shared.model.sampling import sample
 from shared.runtime import metrics
@@ -78,8 +77,7 @@ class DecodeWorker(WorkerLoop):
         self.weights_from = config.decode.weights_from
         # One page more than the allocator hands out: the CUDA graphs' padding rows write there,
         # and the puller's copy of a newly mapped pool.
-        layout = make_layout(model.num_layers, config.kv.decode_pages + 1, config.kv.page_size, model.num_kv_heads,
-                             model.head_dim, kv_quant.storage_dtype(config.kv.dtype, model.embed.dtype))
+        layout = model.kv_layout(config.kv.decode_pages + 1, config.kv.page_size, config.kv.dtype)
         self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages

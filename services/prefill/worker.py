@@ -29,11 +29,9 @@ from services.prefill.prefix_cache import Lease, PrefixCache
 from shared.control import wire
 from shared.control.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
 from shared.control.router_link import WorkerLoad
-from shared.kernels import kv_quant
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.page_keys import page_keys
 from shared.kv.pages import pages_for
-from shared.kv.pool import make_layout
 from shared.kv.transfer import export_pool
 from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
@@ -63,8 +61,7 @@ class PrefillWorker(WorkerLoop):
         self.model = model
         self.finish = worker.finish
         self.chunk_tokens = config.prefill.chunk_tokens
-        layout = make_layout(model.num_layers, config.kv.prefill_pages, config.kv.page_size, model.num_kv_heads,
-                             model.head_dim, kv_quant.storage_dtype(config.kv.dtype, model.embed.dtype))
+        layout = model.kv_layout(config.kv.prefill_pages, config.kv.page_size, config.kv.dtype)
         self.page_size = layout.page_size
         # Decodes may be on other hosts only where the control plane is tcp:// (choice.py).
         cross_host = config.router.zmq_endpoint().startswith("tcp://") and not colocated

@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import fused_triton
-from shared.kv.pool import PagedKvPool
+from shared.control.messages import KvLayout
+from shared.kernels import fused_triton, kv_quant
+from shared.kv.pool import PagedKvPool, make_layout
 from shared.model import attention, presets
 from shared.model.linear_choice import LinearChooser
 
@@ -110,6 +111,12 @@ class PagedLlama:
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
         config = hf_model.config
         return cls(config, LlamaWeights.from_hf(hf_model, config.max_position_embeddings), device)
+
+    def kv_layout(self, num_pages: int, page_size: int, kv_dtype: str = "bfloat16") -> KvLayout:
+        """The layout of a KV pool for this model, its pages in kv_dtype (kv.dtype: "bfloat16",
+        the default, keeps them unquantized in the model's own dtype)."""
+        return make_layout(self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim,
+                           kv_quant.storage_dtype(kv_dtype, self.embed.dtype))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()

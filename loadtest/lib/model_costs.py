@@ -1,0 +1,41 @@
+"""What the served model costs, from its shapes alone: the weight bytes a decode step reads, a
+prompt's matmul FLOPs and a token's KV bytes. A benchmark's floor or bound is one of these over a
+rate of the device (loadtest/lib/device_rates.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kv.pool import token_bytes
+from shared.model.llama import PagedLlama
+from shared.model.loader import load_hf_config
+
+# Read one row per token (the embedding) or per position (the RoPE tables), not whole, by a step.
+ROW_GATHERED = ("embed", "cos", "sin")
+
+
+def model_shape(checkpoint, dtype: torch.dtype) -> PagedLlama:
+    """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(load_hf_config(checkpoint), dtype=dtype)
+    return PagedLlama.from_hf(hf, "meta")
+
+
+def weight_bytes_per_step(model: PagedLlama) -> int:
+    """Every weight a decode step reads whole: each layer's (biases included), the final norm and
+    the lm_head, also where it is tied to the embedding."""
+    return sum(t.numel() * t.element_size() for name, t in model.weights.named().items() if name not in ROW_GATHERED)
+
+
+def prefill_flops(model: PagedLlama, tokens: int) -> float:
+    """Matmul FLOPs of a prompt: 2 * params per token for the linears, plus causal attention."""
+    linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
+    attention = 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
+    return 2 * linear * tokens + 2 * model.lm_head.numel() + attention
+
+
+def kv_token_bytes(model: PagedLlama, kv_dtype: str, page_size: int) -> int:
+    """One token's K and V over all layers in pages of kv_dtype, scales included."""
+    return token_bytes(model.kv_layout(1, page_size, kv_dtype))
