@@ -278,3 +278,28 @@ def test_an_empty_http_address_serves_no_http(checkpoint, tmp_path):
 def test_each_stack_serves_http_on_a_port_of_its_own(token_stack):
     http_port = int(token_stack.env["PDSERVE_ROUTER_HTTP_ADDRESS"].rpartition(":")[2])
     assert http_port != 8000 and http_port in _listening_ports(token_stack)
+
+
+@pytest.mark.parametrize("fields", [{"stream": "yes"}, {"max_tokens": True}, {"max_tokens": "5"}, {"n": "1"},
+                                    {"temperature": "0"}])
+def test_a_field_of_the_wrong_json_type_is_400_not_coerced(token_stack, fields):
+    body = {"model": MODEL, "prompt": "Hello", **fields}
+    status, answer, _ = _raw(token_stack, "POST", "/v1/completions", json.dumps(body).encode(),
+                             authorization=f"Bearer {TOKEN}")
+    assert status == 400 and answer["error"]["param"] == next(iter(fields)), answer
+
+
+def test_the_developer_role_is_the_system_prompt(token_stack, client):
+    """Current OpenAI clients send instructions as `developer`: the same tokens as `system`."""
+    asked = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = [client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": role, "content": "Answer in one word."}, *asked]) for role in ("developer", "system")]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+def test_an_unknown_role_is_quoted_back_cut_short(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "x" * 100_000, "content": "hi"}])
+    message = error.value.body["message"]
+    assert "unknown chat role" in message and len(message) < 200, message[:300]

@@ -53,3 +53,20 @@ def test_each_failure_has_its_status_and_grpc_code(error, status, kind, code):
     response = openai_errors.response(error)
     assert response.status_code == status
     assert json.loads(response.body) == {"error": {"message": str(error), "type": kind, "param": None, "code": code}}
+
+
+@pytest.mark.parametrize("fields", [{"stream": "yes"}, {"max_tokens": True}, {"max_tokens": "5"}, {"n": "1"},
+                                    {"top_p": "0.5"}, {"ignore_eos": 1}])
+def test_values_are_parsed_as_json_types_them_not_coerced(fields):
+    with pytest.raises(ValidationError) as error:
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields})
+    assert error.value.errors()[0]["loc"][0] == next(iter(fields))
+
+
+def test_an_integer_is_a_float_as_json_has_one_number_type():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": 1}).temperature == 1.0
+
+
+def test_the_developer_role_becomes_system():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "developer", "content": "x"}]})
+    assert body.to_input("").messages == (ChatMessage("system", "x"),)

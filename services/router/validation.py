@@ -15,6 +15,7 @@ from shared.control.messages import SamplingParams, StopParams
 from shared.model.tokenizer import ServingTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+MAX_ECHOED_CHARS = 32  # of a client's bad value quoted back in an error, which must not echo megabytes
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
@@ -117,7 +118,8 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
         raise InvalidRequest("prompt is empty")
     for message in request.messages:
         if message.role not in CHAT_ROLES:
-            raise InvalidRequest(f"unknown chat role {message.role!r}; use one of {sorted(CHAT_ROLES)}")
+            role = message.role if len(message.role) <= MAX_ECHOED_CHARS else message.role[:MAX_ECHOED_CHARS] + "…"
+            raise InvalidRequest(f"unknown chat role {role!r}; use one of {sorted(CHAT_ROLES)}")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1")
     _sampling(request)

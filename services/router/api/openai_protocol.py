@@ -5,6 +5,9 @@ Fields other servers or newer API versions add are ignored, as OpenAI's own API 
 pdserve cannot honour is refused with the field named, rather than answered with less than was
 asked: more than one choice (`n`), log probabilities, a batch of prompts, content other than text.
 `top_k` and `ignore_eos` are not OpenAI's but vLLM's and SGLang's, which benchmark tools send.
+Values are parsed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": true` or `"n": "1"`
+are refused, not coerced. The `developer` role, which current OpenAI clients send for instructions,
+is the chat template's `system`.
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ def _refused(field: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", f"{field}: {why}")
 
 
+STRICT = ConfigDict(extra="ignore", strict=True)
+ROLE_ALIASES = {"developer": "system"}
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False  # one more chunk at the end, with the usage and no choices
 
 
 class _GenerateBody(BaseModel):
     """What both endpoints take. None: unset, pdserve's default applies (README.md, The API)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = None
@@ -94,12 +102,13 @@ class CompletionRequest(_GenerateBody):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessageBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls only
@@ -127,7 +136,8 @@ class ChatCompletionRequest(_GenerateBody):
 
     def to_input(self, label: str) -> GenerateInput:
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-        return self._input(label, max_tokens, messages=tuple(ChatMessage(m.role, m.text()) for m in self.messages))
+        return self._input(label, max_tokens, messages=tuple(ChatMessage(ROLE_ALIASES.get(m.role, m.role), m.text())
+                                                             for m in self.messages))
 
     def object_name(self, stream: bool) -> str:
         return "chat.completion.chunk" if stream else "chat.completion"
