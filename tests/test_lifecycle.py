@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from pdserve.v1 import generation_pb2
 from tests.stack import REPO, ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -45,6 +46,14 @@ def test_launcher_stops_all_services_on_sigterm(tmp_path, checkpoint):
         assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments), "shared memory left behind"
 
 
+def test_the_serving_router_has_neither_torch_nor_triton_mapped(stack):
+    """After it has served (the session's stack has, by the time most tests ran), not only at import:
+    the model's config and the tokenizer are read without transformers (shared/model/tokenizer.py)."""
+    list(stack.stub.Generate(generation_pb2.GenerateRequest(prompt="Hello", max_tokens=2), timeout=120))
+    maps = Path(f"/proc/{stack.processes['router'].pid}/maps").read_text()
+    assert not [line for line in maps.splitlines() if "libtorch" in line or "triton" in line]
+
+
 def test_zeromq_socket_sits_where_only_the_service_user_can_enter(stack):
     runtime_dir = Path(stack.env["PDSERVE_ROUTER_RUNTIME_DIR"])
     assert (runtime_dir / "router.ipc").exists()
@@ -65,8 +74,6 @@ def test_router_survives_garbage_frames(stack):
         socket.close(linger=0)
     finally:
         context.term()
-    from pdserve.v1 import generation_pb2
-
     request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=2, ignore_eos=True, temperature=0)
     chunks = list(stack.stub.Generate(request, timeout=60))
     assert sum(len(c.token_ids) for c in chunks) == 2
