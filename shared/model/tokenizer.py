@@ -2,8 +2,8 @@
 its chat template rendered by jinja2.
 
 transformers' AutoTokenizer imports torch whenever torch is installed, and even its torch-free
-chat-template module loads numpy and huggingface_hub (about 25 MiB), in a process whose budget is
-150 MB resident. So the router reads the same files itself. The ids equal AutoTokenizer's
+chat-template module loads numpy and huggingface_hub, in a process whose budget is 150 MB resident
+(docs/BENCHMARKS.md, the router's memory). So the router reads the same files itself. The ids equal AutoTokenizer's
 (tests/test_tokenizer.py): tokenizer.json's post-processor adds the special tokens a plain prompt
 gets, and a rendered chat is encoded without them, as apply_chat_template does. Templates run in
 jinja2's immutable sandbox with the options and helpers Hugging Face chat templates are written
