@@ -11,10 +11,8 @@ import pytest
 
 from shared.config import Config, ConfigError, add_config_arguments, load_config, parse_cores
 from shared.runtime.service_config import check_service
+from tests.stack import REPO
 
-REPO = Path(__file__).resolve().parents[1]
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse(*argv: str) -> argparse.Namespace:

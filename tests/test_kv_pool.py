@@ -15,8 +15,8 @@ from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, p
 from shared.kv.pool import SHARD_ALIGN_BYTES, allocate_local_pool, layout_bytes, make_layout
 from shared.kv.transfer import TransferError, backend_for
 from shared.kv.transfer.shm import SharedMemoryExport
+from tests.stack import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 # Shard sizes that are not multiples of 256 bytes, so a layout without padding would misalign.
 LAYOUTS = {

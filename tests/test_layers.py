@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.stack import REPO
+
 # shared/'s layers, lowest first: a module imports only from its own layer or those below it.
 SHARED_LAYERS = ["config", "control", "runtime", "kernels", "kv", "model", "worker"]
 TORCH_FREE_LAYERS = {"config", "control", "runtime"}

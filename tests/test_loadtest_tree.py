@@ -4,9 +4,9 @@ importing only the library and itself, and no entry point imported as a library 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.stack import REPO
+
 GROUPS = ("lib", "engine", "stack", "external")
 LOADED_BY_PATH = {"loadtest.external.locustfile"}  # `locust -f` runs it: it has no __main__ block
 

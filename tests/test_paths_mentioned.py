@@ -5,7 +5,8 @@ a stale citation is the likeliest defect after a file moves."""
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.stack import REPO
+
 TOP_FOLDERS = ("services", "shared", "loadtest", "tests", "deploy", "docs", "proto")
 # A path starts at a top folder that no `../` or other folder precedes (../shared/ is the material
 # beside the checkout, not this repository's shared/).
