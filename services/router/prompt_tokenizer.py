@@ -36,8 +36,13 @@ class PromptTokenizer:
             return list(request.prompt_token_ids)
         await self._wait_turn()
         work = asyncio.get_running_loop().run_in_executor(None, self.encode, request)
-        work.add_done_callback(lambda _: self._turns.release())
+        work.add_done_callback(self._turn_done)
         return await asyncio.shield(work)  # a client that leaves ends its wait, not the thread's work
+
+    def _turn_done(self, work: asyncio.Future) -> None:
+        self._turns.release()
+        if not work.cancelled():
+            work.exception()  # retrieved: when its client has left, asyncio would log it as never retrieved
 
     async def _wait_turn(self) -> None:
         try:

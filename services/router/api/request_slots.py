@@ -9,11 +9,7 @@ gives it back when the router is done with it, before any status or last byte wa
 
 from __future__ import annotations
 
-import structlog
-
 from shared.runtime.metrics import RequestTimer
-
-log = structlog.get_logger()
 
 
 class RequestSlots:
@@ -22,9 +18,9 @@ class RequestSlots:
         self.taken = 0
 
     def take(self) -> bool:
-        """A slot for one request; False, and the refusal counted, when all are taken."""
+        """A slot for one request; False when all are taken, the refusal counted (pdserve:request_failure_total,
+        not a log line each: a flood of them would flood the log)."""
         if self.taken >= self.limit:
-            log.warning("request refused: every slot taken", limit=self.limit)
             RequestTimer().failed("RESOURCE_EXHAUSTED")
             return False
         self.taken += 1
