@@ -93,14 +93,32 @@ class RouterConfig:
     # A request waits at most this long for KV room before RESOURCE_EXHAUSTED.
     admission_timeout_s: float = _positive(default=30.0)
     max_request_bytes: int = _positive(default=4 * 1024 * 1024)
-    # gRPC calls served at once (streams, health checks and ListWorkers alike); the excess get
-    # RESOURCE_EXHAUSTED from gRPC before any handler runs, so a flood of calls cannot pile up
-    # coroutines and memory. Well above max_waiting_requests plus the streams the workers can run.
+    # Generation requests in flight at once, gRPC Generate calls and OpenAI /v1 requests together,
+    # each from its arrival to its last byte (services/router/api/request_slots.py); the excess get
+    # RESOURCE_EXHAUSTED (HTTP 429) at once, so a flood of calls cannot pile up coroutines and
+    # memory. Health checks, ListWorkers and Admin never count, and a stream cancelled because its
+    # client stopped reading gives its slot back at once. Well above max_waiting_requests plus the
+    # streams the workers can run.
     max_concurrent_rpcs: int = _positive(default=1024)
+    # A client connection that has sent no whole request head within this long of opening, or of
+    # its last answer (HTTP), or has not finished its handshake within this long (gRPC: TLS and the
+    # HTTP/2 preface), is closed: connections that send nothing cannot pile up and hold files.
+    connection_idle_timeout_s: float = _positive(default=5.0)
+    # HTTP connections open at once (services/router/api/http_connections.py). A new one beyond it
+    # closes the connection idle longest; when every one has a request in flight, its request is
+    # answered 503 and it is closed. The router's open-file limit must be above it (deploy/systemd).
+    http_max_connections: int = _positive(default=4096)
     # A prompt's bytes (its text, the messages' content summed, or 4 per prompt_token_id), refused
     # with INVALID_ARGUMENT before it is tokenized: tokenizing takes CPU time that grows with the
-    # text. 1 MiB is some 250K tokens, above the context of the models served.
+    # text. 1 MiB is some 250K tokens, above the context of the models served. A chat is checked
+    # again as its template renders it, before that text is tokenized.
     max_prompt_bytes: int = _positive(default=1024 * 1024)
+    # A chat's messages, refused with INVALID_ARGUMENT before its template runs: rendering costs
+    # CPU time per message, however short (120,000 empty ones took seconds).
+    max_chat_messages: int = _positive(default=2048)
+    # Prompts templated and tokenized at once, each in a thread off the event loop; a request beyond
+    # waits its turn for up to admission_timeout_s, then gets RESOURCE_EXHAUSTED.
+    max_concurrent_tokenizations: int = _positive(default=2)
     grace_period_s: float = field(default=5.0, metadata=_check(lambda v: v >= 0, "must not be negative"))
     # Required on a tcp:// zmq_address, unused on ipc:// (shared/control/curve.py says why): the
     # router's CURVE key pair, a zmq.auth secret-key certificate (router.key_secret), and the

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config, parse_cores
+from services.router.server import FILES_BESIDE_HTTP
+from shared.config import Config, RouterConfig, parse_cores
 from shared.control.messages import EXIT_REFUSED
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
@@ -177,6 +178,12 @@ def test_pdserve_services_share_the_runtime_dir_and_the_model_cache(name):
     # READY=1 and watchdog pings come from the services themselves (tests/test_lifecycle.py).
     assert unit["Service.Type"] == ["notify"] and unit["Service.NotifyAccess"] == ["main"]
     assert int(unit["Service.WatchdogSec"][0]) > 0
+
+
+def test_the_router_may_open_a_file_for_every_connection_it_keeps():
+    """systemd's default of 1,024 open files let about a thousand idle connections refuse new ones."""
+    limit = int(directives("pdserve-router.service")["Service.LimitNOFILE"][0])
+    assert limit >= RouterConfig().http_max_connections + FILES_BESIDE_HTTP
 
 
 def test_router_sees_no_devices():

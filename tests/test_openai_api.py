@@ -234,6 +234,22 @@ def test_calls_without_the_right_token_are_401(token_stack, headers):
     assert _raw(token_stack, "GET", "/health")[0] == 200  # open to probes, as gRPC's health service
 
 
+def test_a_call_without_the_token_is_401_before_its_body_is_read(token_stack):
+    """FastAPI reads and parses a body before a route's dependencies run: a broken body without the
+    token was a 400, and a body announced but not sent kept the answer waiting for it."""
+    status, body, _ = _raw(token_stack, "POST", "/v1/chat/completions", b"{not json")
+    assert status == 401 and body["error"]["code"] == "UNAUTHENTICATED", body
+    connection = http.client.HTTPConnection(token_stack.env["PDSERVE_ROUTER_HTTP_ADDRESS"], timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in (("Content-Type", "application/json"), ("Content-Length", "1000")):
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 401 and answer["error"]["code"] == "UNAUTHENTICATED", answer
+
+
 def _failures(stack, code: str) -> float:
     text = urllib.request.urlopen(stack.metrics_url("router"), timeout=5).read().decode()
     family = next(f for f in text_string_to_metric_families(text) if f.name == "pdserve:request_failure")

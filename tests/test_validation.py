@@ -47,6 +47,7 @@ SHAPE_ERRORS = {
     "empty stop string": dict(prompt="hi", stop=[""]),
     "too many stop strings": dict(prompt="hi", stop=[str(i) for i in range(17)]),
     "request id too long": dict(prompt="hi", request_id="r" * 257),
+    "too many chat messages": dict(messages=[("user", "")] * (RouterConfig().max_chat_messages + 1)),
 }
 
 

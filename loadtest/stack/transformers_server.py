@@ -22,7 +22,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.router.api.generation import generate_input
 from services.router.detokenizer import IncrementalText
-from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape, tokenize
+from services.router.prompt_tokenizer import PromptTokenizer
+from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape
 from shared.config import Config
 from shared.model import presets
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
@@ -64,13 +65,14 @@ class StopWhenCancelled(StoppingCriteria):
 class TransformersGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, model, tokenizer, limits: ModelLimits, eos: set[int]):
         self.model, self.tokenizer, self.limits, self.eos = model, tokenizer, limits, eos
+        self.prompts = PromptTokenizer(tokenizer, limits, at_once=1, wait_s=0)  # encodes in this thread only
         self.turn = asyncio.Lock()  # one request at a time: the floor
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         try:
             given = generate_input(request)
             check_request_shape(given, self.limits)
-            job = build_job(given, tokenize(given, self.tokenizer), self.limits)
+            job = build_job(given, self.prompts.encode(given), self.limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         async with self.turn:

@@ -23,14 +23,8 @@ import structlog
 from services.router.control.request import ErrorEvent, InflightRequest, RequestError, StageTimings
 from services.router.control.token_router import TokenRouter
 from services.router.detokenizer import IncrementalText
-from services.router.validation import (
-    GenerateInput,
-    InvalidRequest,
-    ModelLimits,
-    build_job,
-    check_request_shape,
-    tokenize,
-)
+from services.router.prompt_tokenizer import PromptTokenizer
+from services.router.validation import GenerateInput, InvalidRequest, build_job, check_request_shape
 from shared.control.messages import FinishReason
 from shared.runtime.metrics import RequestTimer
 
@@ -59,10 +53,11 @@ class Chunk:
 
 
 class Frontend:
-    def __init__(self, router: TokenRouter, tokenizer, limits: ModelLimits, stall_timeout_s: float):
+    def __init__(self, router: TokenRouter, prompts: PromptTokenizer, stall_timeout_s: float):
         self.router = router
-        self.tokenizer = tokenizer
-        self.limits = limits
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer  # also the detokenizer's
+        self.limits = prompts.limits
         self.stall_timeout_s = stall_timeout_s
 
     async def start(self, request: GenerateInput, timer: RequestTimer) -> Generation:
@@ -81,13 +76,16 @@ class Frontend:
 
     async def _job(self, request: GenerateInput, timer: RequestTimer):
         try:
-            check_request_shape(request, self.limits)
-            # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-            prompt_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
+            check_request_shape(request, self.limits)  # before any tokenizing: bad input costs nothing
+            prompt_ids = await self.prompts.token_ids(request)
             return build_job(request, prompt_ids, self.limits)
         except InvalidRequest as exc:
             log.info("invalid request", error=str(exc))
             timer.failed("INVALID_ARGUMENT")
+            raise
+        except RequestError as exc:  # no turn to tokenize in time
+            log.warning("request refused", code=exc.code.value, error=str(exc))
+            timer.failed(exc.code.value)
             raise
         except asyncio.CancelledError:
             timer.cancelled()

@@ -25,21 +25,36 @@ from services.router.api.auth import bearer_token, interceptors, tls_credentials
 from services.router.api.generation import GenerationService
 from services.router.api.http_server import HttpServer
 from services.router.api.openai_api import create_app
+from services.router.api.request_slots import RequestSlots
 from services.router.control.token_router import TokenRouter
 from services.router.frontend import Frontend
+from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.validation import ModelLimits
-from shared.config import Config
+from shared.config import Config, RouterConfig
 from shared.model.fingerprint import checkpoint_fingerprint
 from shared.model.loader import config_dict, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
-from shared.runtime.process import SystemdNotify
+from shared.runtime.process import SystemdNotify, raise_open_files_limit
 from shared.runtime.tasks import ServiceStop, spawn
 
 log = structlog.get_logger()
 
+# Open files the router needs beside its HTTP connections: gRPC connections, the model's files, the
+# workers' socket, the metrics endpoint.
+FILES_BESIDE_HTTP = 1024
+
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+def _check_open_files(router: RouterConfig) -> None:
+    limit = raise_open_files_limit()
+    if limit < router.http_max_connections + FILES_BESIDE_HTTP:
+        log.warning("the open-file limit is below what router.http_max_connections needs: connections "
+                    "beyond it will fail; raise LimitNOFILE= (deploy/systemd/pdserve-router.service) or "
+                    "lower router.http_max_connections", open_files=limit,
+                    http_max_connections=router.http_max_connections)
 
 
 async def serve(config: Config) -> int:
@@ -48,7 +63,8 @@ async def serve(config: Config) -> int:
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
     limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"], config.defaults.max_tokens,
-                         config.router.max_prompt_bytes)
+                         config.router.max_prompt_bytes, config.router.max_chat_messages)
+    _check_open_files(config.router)
     # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
     os.chmod(config.router.runtime_dir, 0o700)
 
@@ -62,12 +78,18 @@ async def serve(config: Config) -> int:
 
     router = TokenRouter(config, checkpoint_fingerprint(checkpoint), on_workers_changed, stop.fail)
     on_workers_changed(False)
+    # No maximum_concurrent_rpcs: gRPC's would count health checks, and hold a cancelled stream's
+    # slot until its unread chunks are gone (request_slots.py counts instead).
     server = grpc.aio.server(interceptors=interceptors(config.router), options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
-    ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
-    frontend = Frontend(router, tokenizer, limits, config.router.stall_timeout_s)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend), server)
+        ("grpc.server_handshake_timeout_ms", int(config.router.connection_idle_timeout_s * 1000)),
+    ])
+    slots = RequestSlots(config.router.max_concurrent_rpcs)
+    prompts = PromptTokenizer(tokenizer, limits, config.router.max_concurrent_tokenizations,
+                              config.router.admission_timeout_s)
+    frontend = Frontend(router, prompts, config.router.stall_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend, slots), server)
     generation_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -80,7 +102,7 @@ async def serve(config: Config) -> int:
     http = None
     if config.router.http_address:
         app = create_app(frontend, config.router.served_model_name or config.model.path,
-                         bearer_token(config.router), config.router.max_request_bytes)
+                         bearer_token(config.router), config.router.max_request_bytes, slots)
         http = HttpServer(app, config.router)
     await router.start()
     await server.start()

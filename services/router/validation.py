@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from shared.config import RouterConfig
 from shared.control.messages import SamplingParams, StopParams
-from shared.model.tokenizer import ServingTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 MAX_ECHOED_CHARS = 32  # of a client's bad value quoted back in an error, which must not echo megabytes
@@ -54,6 +53,7 @@ class ModelLimits:
     max_context: int
     default_max_tokens: int
     max_prompt_bytes: int = RouterConfig.max_prompt_bytes  # router.max_prompt_bytes
+    max_chat_messages: int = RouterConfig.max_chat_messages  # router.max_chat_messages
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,9 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
         raise InvalidRequest("no input: set one of prompt, messages or prompt_token_ids")
     if len(given) > 1:
         raise InvalidRequest(f"give exactly one input, got {' and '.join(given)}")
+    if len(request.messages) > limits.max_chat_messages:
+        raise InvalidRequest(f"{len(request.messages)} chat messages, above router.max_chat_messages "
+                             f"({limits.max_chat_messages})")
     size = _prompt_bytes(request)
     if size > limits.max_prompt_bytes:
         raise InvalidRequest(f"{given[0]}: {size} bytes, above router.max_prompt_bytes ({limits.max_prompt_bytes}); "
@@ -124,14 +127,6 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
         raise InvalidRequest("max_tokens must be at least 1")
     _sampling(request)
     _stop_strings(request)
-
-
-def tokenize(request: GenerateInput, tokenizer: ServingTokenizer) -> list[int]:
-    if request.prompt is not None:
-        return tokenizer.encode(request.prompt)
-    if request.messages:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
-    return list(request.prompt_token_ids)
 
 
 def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: ModelLimits) -> Job:

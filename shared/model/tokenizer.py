@@ -39,15 +39,19 @@ class ServingTokenizer:
         return None if eos is None else self.backend_tokenizer.token_to_id(eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works; encode holds it, so a long prompt encoded in
+        # a thread would stall the router's event loop as much as one encoded on it.
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat rendered by its template with the assistant's turn opened, then encoded."""
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The chat as its template renders it, the assistant's turn opened: the text encode_chat encodes."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a prompt instead of messages")
-        rendered = _compiled(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                        **self.special_tokens)
-        return self.encode(rendered, add_special_tokens=False)
+        return _compiled(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                    **self.special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
 
 def load_tokenizer(checkpoint: Path | str) -> ServingTokenizer:

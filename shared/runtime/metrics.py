@@ -90,6 +90,9 @@ WORKER_ROUTED_REQUESTS = Counter(
 WORKER_ROUTED_PROMPT_TOKENS = Counter(
     "pdserve:worker_routed_prompt_tokens_total", "Prompt tokens routed to each worker (a prefill: those it was "
     "expected to compute, its cached prefix left out).", ["worker_id", "role"], registry=None)
+ROUTER_TOKENIZED_TOKENS = Counter(
+    "pdserve:router_tokenized_tokens_total", "Prompt tokens the router's tokenizer produced, refused prompts "
+    "included: the tokenizing work clients made it do.", registry=None)
 REQUEST_RETRIES = Counter(
     "pdserve:request_retries_total", "Requests moved to another prefill after theirs failed before the first token.",
     registry=None)
@@ -97,7 +100,7 @@ REQUEST_RETRIES = Counter(
 ROUTER = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
           KV_HANDOFF, KV_PULL, REQUEST_SUCCESS, REQUEST_FAILURE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
           KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED, WORKER_PENDING_PROMPT_TOKENS, WORKER_ASSIGNED_REQUESTS,
-          WORKER_ROUTED_REQUESTS, WORKER_ROUTED_PROMPT_TOKENS, REQUEST_RETRIES)
+          WORKER_ROUTED_REQUESTS, WORKER_ROUTED_PROMPT_TOKENS, REQUEST_RETRIES, ROUTER_TOKENIZED_TOKENS)
 WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE, PREFIX_CACHE_QUERIES,
           PREFIX_CACHE_HITS, PREFIX_CACHE_PAGES)
 
@@ -188,6 +191,11 @@ def watch_routed(worker) -> None:
 def count_routed(worker_id: str, role: Role, prompt_tokens: int) -> None:
     WORKER_ROUTED_REQUESTS.labels(worker_id, role).inc()
     WORKER_ROUTED_PROMPT_TOKENS.labels(worker_id, role).inc(prompt_tokens)
+
+
+@_never_raises
+def count_tokenized(tokens: int) -> None:
+    ROUTER_TOKENIZED_TOKENS.inc(tokens)
 
 
 @_never_raises

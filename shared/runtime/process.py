@@ -1,9 +1,11 @@
-"""Process plumbing shared by the services: stop signals, dying with the parent, systemd's notify protocol."""
+"""Process plumbing shared by the services: stop signals, dying with the parent, the open-file limit,
+systemd's notify protocol."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import threading
 import time
@@ -44,6 +46,16 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the call took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def raise_open_files_limit() -> int:
+    """Raises the soft limit of open files to the hard one and returns it: a shell's soft limit
+    (often 1,024) is far below what a server's connections take, and the hard one is the host's
+    word (LimitNOFILE= under systemd)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
 
 
 class SystemdNotify:

@@ -7,6 +7,7 @@ import structlog
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.router.api.admin import list_workers
+from services.router.api.request_slots import RequestSlots
 from services.router.control.request import RequestError
 from services.router.frontend import Chunk, Frontend, StreamStalled
 from services.router.validation import ChatMessage, GenerateInput, InvalidRequest
@@ -37,25 +38,40 @@ def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, slots: RequestSlots):
         self.frontend = frontend
+        self.slots = slots
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        """The slot goes back before an error status is sent: a status waits behind the chunks a
+        stalled client has not read, and a slot held meanwhile would refuse other calls."""
+        if not self.slots.take():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.slots.refusal())
+        try:
+            with structlog.contextvars.bound_contextvars(label=request.request_id):
+                status = await self._stream(request, context)
+        finally:
+            self.slots.give_back()
+        if status is not None:
+            await context.abort(*status)
+
+    async def _stream(self, request, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+        """Streams the request's chunks; returns the status it failed with, None if it did not."""
         timer = RequestTimer(context.time_remaining)
-        with structlog.contextvars.bound_contextvars(label=request.request_id):
-            try:
-                generation = await self.frontend.start(generate_input(request), timer)
-                async with generation:
-                    async for chunk in generation:
-                        await generation.deliver(context.write(_response(generation.label, chunk)))
-            except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except RequestError as exc:
-                await context.abort(grpc.StatusCode[exc.code.value], str(exc))
-            except StreamStalled as exc:
-                # The status waits behind the unread chunks, so this returns once the client reads
-                # again, goes away, or its deadline passes; nothing of the request is held meanwhile.
-                await context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        try:
+            generation = await self.frontend.start(generate_input(request), timer)
+            async with generation:
+                async for chunk in generation:
+                    await generation.deliver(context.write(_response(generation.label, chunk)))
+        except InvalidRequest as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except RequestError as exc:
+            return grpc.StatusCode[exc.code.value], str(exc)
+        except StreamStalled as exc:
+            # Nothing of the request is held any more; the status reaches the client once it reads
+            # again, goes away, or its deadline passes.
+            return grpc.StatusCode.CANCELLED, str(exc)
+        return None
 
     async def ListWorkers(self, request, context):
         return list_workers(self.frontend.router.registry)

@@ -7,8 +7,9 @@ coroutine in the router's own uvloop event loop, beside grpc.aio, with no thread
 the HTTP front and the token router; uvicorn does TLS; and it is what vLLM's and SGLang's OpenAI
 servers are built on, so the official clients are well tried against it.
 
-Each request goes through frontend.py exactly as a gRPC call does: the same checks and messages, the
-same admission, the same metrics. Errors are OpenAI's JSON error objects; `code` is the gRPC status
+Before the app reads a body, http_gate.py checks the bearer token and takes a request slot, shared
+with gRPC. Each request goes through frontend.py exactly as a gRPC call does: the same checks and
+messages, the same admission, the same metrics. Errors are OpenAI's JSON error objects; `code` is the gRPC status
 the same failure gets over gRPC (openai_errors.py has the table).
 """
 
@@ -18,13 +19,15 @@ import json
 import time
 
 import structlog
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
 from services.router.api import openai_errors as errors
 from services.router.api.auth import BearerToken
+from services.router.api.http_gate import HttpGate
 from services.router.api.openai_protocol import Answer, ChatCompletionRequest, CompletionRequest, GenerateBody
+from services.router.api.request_slots import RequestSlots
 from services.router.control.request import RequestError
 from services.router.frontend import Frontend, Generation, StreamStalled
 from services.router.validation import InvalidRequest
@@ -95,12 +98,10 @@ class GenerationResponse(StreamingResponse):
         await generation.deliver(send(_body(DONE, more=False)))
 
 
-def create_app(frontend: Frontend, model_name: str, token: BearerToken | None, max_body_bytes: int) -> FastAPI:
+def create_app(frontend: Frontend, model_name: str, token: BearerToken | None, max_body_bytes: int,
+               slots: RequestSlots) -> FastAPI:
+    """token: the bearer token /v1/ requires, if any; slots: shared with the gRPC front (http_gate.py)."""
     created = int(time.time())
-
-    async def authorized(request: Request) -> None:
-        if token is not None and not token.admits(request.headers.get("authorization")):
-            raise errors.Unauthenticated()
 
     def check_model(body: GenerateBody) -> None:
         if body.model != model_name:
@@ -110,13 +111,14 @@ def create_app(frontend: Frontend, model_name: str, token: BearerToken | None, m
     # as gRPC does one above router.max_request_bytes; the docs and OpenAPI schema: not part of the API.
     app = FastAPI(title="pdserve", max_body_size=max_body_bytes, docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
+    app.add_middleware(HttpGate, token=token, slots=slots)
 
     @app.get("/health")
     async def health() -> Response:
         """Open, like gRPC's health service: 200 while a prefill and a decode are registered."""
         return Response(status_code=200 if frontend.router.serving() else 503)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def models() -> dict:

@@ -13,7 +13,9 @@ answer is not this object: a body whose Content-Length is above the limit gets S
 | a model this router does not serve, a path it does not have    | 404  | invalid_request_error | NOT_FOUND          |
 | a body above router.max_request_bytes, counted as it comes     | 413  | invalid_request_error | RESOURCE_EXHAUSTED |
 | admission refused: the queue full, no KV room in time, too big | 429  | rate_limit_error      | RESOURCE_EXHAUSTED |
+| router.max_concurrent_rpcs requests in flight already          | 429  | rate_limit_error      | RESOURCE_EXHAUSTED |
 | no worker serves, a worker failed, a stage timed out           | 503  | service_unavailable   | UNAVAILABLE        |
+| router.http_max_connections open, each with a request in flight | 503 | service_unavailable   | UNAVAILABLE        |
 | anything else                                                  | 500  | server_error          | INTERNAL           |
 """
 
@@ -35,11 +37,6 @@ _BY_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND",
               413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
-class Unauthenticated(Exception):
-    def __init__(self):
-        super().__init__("missing or wrong bearer token (header 'Authorization: Bearer <token>')")
-
-
 class UnknownModel(Exception):
     def __init__(self, asked: str, served: str):
         super().__init__(f"the model {asked!r} is not served here; this router serves {served!r} "
@@ -52,6 +49,21 @@ def error_object(status: int, message: str, kind: str, param: str | None = None)
 
 def _json(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
     return JSONResponse(error_object(status, message, kind, param), status_code=status, headers=headers)
+
+
+def unauthenticated() -> JSONResponse:
+    return _json(401, "missing or wrong bearer token (header 'Authorization: Bearer <token>')",
+                 "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+
+def busy(message: str) -> JSONResponse:
+    """Every request slot taken (request_slots.py): the client should come back shortly."""
+    return _json(429, message, "rate_limit_error", headers={"Retry-After": "1"})
+
+
+def overloaded(message: str) -> JSONResponse:
+    """Every connection the router keeps open has a request in flight (http_connections.py)."""
+    return _json(503, message, "service_unavailable", headers={"Retry-After": "1", "Connection": "close"})
 
 
 def _status(exc: InvalidRequest | RequestError) -> tuple[int, str]:
@@ -84,10 +96,6 @@ def install(app: FastAPI) -> None:
             # A refusal of ours names its field already (openai_protocol.py); pydantic's messages do not.
             problems.append(error["msg"] if error["type"] == "unsupported" or not where else f"{where}: {error['msg']}")
         return _json(400, "; ".join(problems), "invalid_request_error", params[0] if params else None)
-
-    @app.exception_handler(Unauthenticated)
-    async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
-        return _json(401, str(exc), "authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
