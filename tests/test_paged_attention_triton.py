@@ -233,9 +233,14 @@ def test_choose_num_splits_fills_gpu():
     assert _choose_num_splits(batch=1, num_kv_heads=8, max_context=1024, num_sms=132) == 4
 
 
+compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                  reason="needs CUDA with compiled (not interpreted) Triton")
+
+
+# Triton's interpreter (3.9) multiplies bf16 tl.dot operands wrongly, so bf16 pages, whose products
+# are in bf16, are checked here only; quantized pages' products are fp16 and checked on the CPU too.
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs CUDA with compiled (not interpreted) Triton")
+@compiled_gpu
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_bf16_cuda_large(num_splits):
     seq_lens = [8192, 8000, 4097, 8191, 1, 6000, 8192, 300]
@@ -250,9 +255,58 @@ def test_bf16_cuda_large(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs CUDA with compiled (not interpreted) Triton")
+@compiled_gpu
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
 def test_quantized_bf16_cuda_large(kv_dtype):
-    check_quantized([8192, 8000, 4097, 1, 300], 32, 8, 128, None, kv_dtype, torch.bfloat16, "cuda",
-                    {"atol": 2e-2, "rtol": 2e-2})
+    check_quantized([8192, 8000, 4097, 1, 300], 32, 8, 128, None, kv_dtype, torch.bfloat16, "cuda", BF16_TOL)
+
+
+@pytest.mark.gpu
+@compiled_gpu
+@pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3)],
+                         ids=str)
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+def test_benchmarked_tilings_cuda(tiling, kv_dtype):
+    """Every tiling loadtest/engine/bench_decode_attention.py times computes the same, compiled."""
+    seq_lens = [4097, 1, 300, 2048]
+    if kv_dtype is not None:
+        check_quantized(seq_lens, 32, 8, 128, 3, kv_dtype, torch.bfloat16, "cuda", BF16_TOL, tiling=tiling)
+        return
+    q, k_cache, v_cache, page_table, lens = make_case(seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, lens, 128 ** -0.5, num_splits=3, tiling=tiling)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, page_table, lens, 128 ** -0.5), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@compiled_gpu
+def test_fp8_query_cuda_large():
+    q, k_cache, v_cache, page_table, seq_lens = make_case([8192, 4097, 1, 300], 32, 8, 128, 16, torch.bfloat16,
+                                                          "cuda")
+    (k_values, k_scale), (v_values, v_scale) = (quantized(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
+                    kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens, 128 ** -0.5)
+    out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 128 ** -0.5, k_scale, v_scale,
+                                 fp8_query=True)
+    assert torch.isfinite(out).all() and (out.float() - ref).norm() / ref.norm() < 0.05
+
+
+@pytest.mark.gpu
+@compiled_gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "fp8"])
+def test_cuda_graph_replay_follows_the_inputs(kv_dtype):
+    """Captured once with one batch's q, lengths and pages, replayed with another's: the split count
+    and the grid are fixed by the shapes, the lengths and pages are read on the device."""
+    q, k_cache, v_cache, table, lens = make_case([5000, 4999, 3000], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    (k, k_scale), (v, v_scale) = (quantized(c, kv_dtype) if kv_dtype else (c, None) for c in (k_cache, v_cache))
+    captured_lens = torch.tensor([5000, 17, 3000], dtype=torch.int32, device="cuda")
+    paged_decode_attention(q, k, v, table, captured_lens, 128 ** -0.5, k_scale, v_scale)  # compiles outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k, v, table, captured_lens, 128 ** -0.5, k_scale, v_scale)
+    # Each row takes the next row's pages, at a length they hold.
+    table.copy_(table.roll(-1, 0))
+    captured_lens.copy_(torch.tensor([600, 2999, 1], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    caches = [kv_quant.dequantize(c, s, torch.float32) if s is not None else c for c, s in ((k, k_scale), (v, v_scale))]
+    torch.testing.assert_close(out.float(), reference(q, *caches, table, captured_lens, 128 ** -0.5), **BF16_TOL)
