@@ -1,4 +1,4 @@
-"""loadtest/lib's counts and the synthetic decode batch, on the CPU."""
+"""loadtest/lib's counts, the synthetic decode batch and the baseline attention swap, on the CPU."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from loadtest.lib import baseline_attention
 from loadtest.lib.decode_batch import decode_batch, request_pages
 from loadtest.lib.model_costs import weight_bytes_per_step
 from shared.kv.pages import PageAllocator
+from shared.model import attention
 from shared.model.llama import PagedLlama
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -40,3 +42,17 @@ def test_a_synthetic_batch_holds_each_context_and_feeds_its_last_token():
         assert row[:len(request.pages)] == request.pages[:width]
     assert allocator.num_free == 64 - 9
     assert decode_batch(PageAllocator(8), [3, 3], 16, "cpu").inputs.token_ids.tolist() == [1, 1]
+
+
+def test_the_baseline_kernel_stands_in_for_the_model_s_only_inside_its_block(tmp_path):
+    """An earlier kernel file, as the benchmarks load it: the decode's attention calls it inside
+    in_the_model, today's kernel again after, and it is never asked for what it lacks."""
+    path = tmp_path / "earlier.py"
+    path.write_text("def paged_decode_attention(*args, **kwargs):\n    return ('earlier', len(args), kwargs)\n")
+    earlier = baseline_attention.load(path)
+    current = attention.paged_attention_triton
+    with baseline_attention.in_the_model(earlier):
+        assert attention.paged_attention_triton.paged_decode_attention(1, 2, fp8_query=False) == ("earlier", 2, {})
+        with pytest.raises(ValueError, match="no fp8_query"):
+            attention.paged_attention_triton.paged_decode_attention(1, 2, fp8_query=True)
+    assert attention.paged_attention_triton is current

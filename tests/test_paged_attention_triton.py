@@ -1,8 +1,10 @@
 """paged_decode_attention against SDPA on the gathered, contiguous K/V; quantized caches against
 SDPA on the same caches dequantized by shared/kernels/kv_quant.py, and the CPU path's own dequantization.
 
-Without CUDA the kernels run in Triton's CPU interpreter (fp32, small shapes); with CUDA the same
-cases run compiled on the GPU, plus bf16 cases at serving size.
+Without CUDA the kernels run in Triton's CPU interpreter (fp32 and bf16, small shapes); with CUDA
+the same cases run compiled on the GPU, plus bf16 cases at serving size. Quantized pages are
+computed in fp16 (q rounded to it, the probabilities too), so they are held to fp16's precision;
+with fp8_query q and the probabilities are e4m3, held to a relative error.
 """
 
 import os
@@ -17,10 +19,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from shared.kernels import kv_quant  # noqa: E402
-from shared.kernels.paged_attention_triton import _choose_num_splits, paged_decode_attention  # noqa: E402
+from shared.kernels.paged_attention_triton import (  # noqa: E402
+    Tiling, _choose_num_splits, paged_decode_attention,
+)
 from shared.model import attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp16 products: q and the probabilities rounded to 11 significant bits.
+FP16_TOL = {"atol": 2e-3, "rtol": 2e-3}
+# A bf16 output is rounded to 8 significant bits.
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
 
 
 def make_case(seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, device, seed=0):
@@ -86,17 +94,19 @@ def quantized(cache, kv_dtype):
 
 
 def check_quantized(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, kv_dtype, dtype=torch.float32,
-                    device=DEVICE, tol=None):
+                    device=DEVICE, tol=None, page_size=16, tiling=None, value_size=1.0):
+    """The kernel over quantized pages against SDPA over the same pages dequantized; value_size
+    multiplies V before it is quantized (its scales shrink with it)."""
     q, k_cache, v_cache, page_table, seq_lens_t = make_case(
-        seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype, device)
-    (k_values, k_scale), (v_values, v_scale) = quantized(k_cache, kv_dtype), quantized(v_cache, kv_dtype)
+        seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, device)
+    (k_values, k_scale), (v_values, v_scale) = quantized(k_cache, kv_dtype), quantized(v_cache * value_size, kv_dtype)
     scale = head_dim ** -0.5
     out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens_t, scale, k_scale, v_scale,
-                                 num_splits=num_splits)
+                                 num_splits=num_splits, tiling=tiling)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
                     kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens_t, scale)
-    torch.testing.assert_close(out.float(), ref, **(tol or {"atol": 1e-4, "rtol": 1e-4}))
+    torch.testing.assert_close(out.float(), ref, **(tol or FP16_TOL))
     return q, (k_values, k_scale, v_values, v_scale), page_table, seq_lens_t, ref
 
 
@@ -145,7 +155,57 @@ def test_the_cpu_path_dequantizes_as_the_kernel(kv_dtype):
     k_values, k_scale, v_values, v_scale = (t.cpu() for t in caches)
     out = attention.paged_decode_attention(q.cpu(), k_values, v_values, page_table.cpu().long(), seq_lens.cpu().long(),
                                            64 ** -0.5, k_scale.nan_to_num(), v_scale.nan_to_num())
-    torch.testing.assert_close(out, ref.cpu(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref.cpu(), **FP16_TOL)
+
+
+# bf16 q as the GPU runs it: odd lengths, many splits, a batch of mixed lengths.
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("seq_lens,num_splits", [([1, 333, 64, 129], 5), ([517], 9), ([200, 3], None)],
+                         ids=["b4-mixed-split5", "b1-L517-split9", "b2-default"])
+def test_quantized_bf16_query(kv_dtype, seq_lens, num_splits):
+    check_quantized(seq_lens, 8, 2, 64, num_splits, kv_dtype, torch.bfloat16, tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_quantized_tiny_values_keep_their_precision(kv_dtype):
+    """V of size 1e-4 has scales near 1e-6: probabilities times scales would fall below fp16's
+    normal range, so the kernel weighs them by the scales over their largest in the chunk."""
+    check_quantized([700, 90], 4, 1, 64, 2, kv_dtype, value_size=1e-4, tol={"atol": 2e-7, "rtol": 2e-3})
+
+
+@pytest.mark.parametrize("page_size", [24, 128], ids=["page24", "page128"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["unquantized", "int8"])
+def test_pages_that_do_not_divide_the_tile(page_size, kv_dtype):
+    """Pages of 24 tokens straddle the 64-token tiles, pages of 128 hold two: each row's slot is
+    computed per tile then, not once."""
+    if kv_dtype is None:
+        check([300, 77], 4, 2, 64, num_splits=2, page_size=page_size)
+    else:
+        check_quantized([300, 77], 4, 2, 64, 2, kv_dtype, page_size=page_size)
+
+
+@pytest.mark.parametrize("tiling", [Tiling(32, 4, 2), Tiling(128, 8, 3)], ids=["n32", "n128-w8"])
+def test_other_tilings(tiling):
+    """The tilings loadtest/engine/bench_kv_quant_speed.py sweeps compute the same."""
+    check_quantized([300, 1, 65], 8, 2, 64, 3, torch.int8, tiling=tiling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_query(dtype):
+    """q and the probabilities in e4m3 too: three mantissa bits, so a relative error of a few
+    percent, against well under one for fp16 products on the same pages."""
+    q, k_cache, v_cache, page_table, seq_lens = make_case([100, 1, 37], 8, 2, 64, 16, dtype, DEVICE)
+    (k_values, k_scale), (v_values, v_scale) = (quantized(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
+                    kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens, 0.125)
+    out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 0.125, k_scale, v_scale,
+                                 num_splits=3, fp8_query=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+    error = (out.float() - ref).norm() / ref.norm()
+    assert 1e-3 < error < 0.05
+    with pytest.raises(ValueError, match="float8_e4m3fn pages"):
+        (int8_k, int8_ks), (int8_v, int8_vs) = (quantized(c, torch.int8) for c in (k_cache, v_cache))
+        paged_decode_attention(q, int8_k, int8_v, page_table, seq_lens, 0.125, int8_ks, int8_vs, fp8_query=True)
 
 
 def test_quantized_caches_need_both_scales():
@@ -160,18 +220,27 @@ def test_quantized_caches_need_both_scales():
 
 
 def test_choose_num_splits_fills_gpu():
-    # Small batch, long context: enough programs for every one of 132 SMs.
-    splits = _choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132)
-    assert 8 * splits >= 132
-    # Large batch: the grid is already full, no split overhead.
-    assert _choose_num_splits(batch=64, num_kv_heads=8, max_context=32768, num_sms=132) == 1
+    # Small batch, long context: enough programs for every one of 132 SMs, in one wave of two per SM.
+    for context in (32768, 524288):
+        splits = _choose_num_splits(batch=1, num_kv_heads=8, max_context=context, num_sms=132)
+        assert 132 <= 8 * splits <= 2 * 132
+    assert _choose_num_splits(batch=8, num_kv_heads=8, max_context=131072, num_sms=132) == 4
+    # Batch 32 x 8 kv heads already fills the GPU: unsplit, as are larger batches.
+    for batch in (32, 64):
+        assert _choose_num_splits(batch=batch, num_kv_heads=8, max_context=32768, num_sms=132) == 1
     # Short context: chunks are not cut below a useful size.
     assert _choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132) == 1
+    assert _choose_num_splits(batch=1, num_kv_heads=8, max_context=1024, num_sms=132) == 4
 
 
+compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                  reason="needs CUDA with compiled (not interpreted) Triton")
+
+
+# Triton's interpreter (3.9) multiplies bf16 tl.dot operands wrongly, so bf16 pages, whose products
+# are in bf16, are checked here only; quantized pages' products are fp16 and checked on the CPU too.
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs CUDA with compiled (not interpreted) Triton")
+@compiled_gpu
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_bf16_cuda_large(num_splits):
     seq_lens = [8192, 8000, 4097, 8191, 1, 6000, 8192, 300]
@@ -186,9 +255,58 @@ def test_bf16_cuda_large(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs CUDA with compiled (not interpreted) Triton")
+@compiled_gpu
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
 def test_quantized_bf16_cuda_large(kv_dtype):
-    check_quantized([8192, 8000, 4097, 1, 300], 32, 8, 128, None, kv_dtype, torch.bfloat16, "cuda",
-                    {"atol": 2e-2, "rtol": 2e-2})
+    check_quantized([8192, 8000, 4097, 1, 300], 32, 8, 128, None, kv_dtype, torch.bfloat16, "cuda", BF16_TOL)
+
+
+@pytest.mark.gpu
+@compiled_gpu
+@pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3)],
+                         ids=str)
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+def test_benchmarked_tilings_cuda(tiling, kv_dtype):
+    """Every tiling loadtest/engine/bench_decode_attention.py times computes the same, compiled."""
+    seq_lens = [4097, 1, 300, 2048]
+    if kv_dtype is not None:
+        check_quantized(seq_lens, 32, 8, 128, 3, kv_dtype, torch.bfloat16, "cuda", BF16_TOL, tiling=tiling)
+        return
+    q, k_cache, v_cache, page_table, lens = make_case(seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, lens, 128 ** -0.5, num_splits=3, tiling=tiling)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, page_table, lens, 128 ** -0.5), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@compiled_gpu
+def test_fp8_query_cuda_large():
+    q, k_cache, v_cache, page_table, seq_lens = make_case([8192, 4097, 1, 300], 32, 8, 128, 16, torch.bfloat16,
+                                                          "cuda")
+    (k_values, k_scale), (v_values, v_scale) = (quantized(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
+                    kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens, 128 ** -0.5)
+    out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 128 ** -0.5, k_scale, v_scale,
+                                 fp8_query=True)
+    assert torch.isfinite(out).all() and (out.float() - ref).norm() / ref.norm() < 0.05
+
+
+@pytest.mark.gpu
+@compiled_gpu
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "fp8"])
+def test_cuda_graph_replay_follows_the_inputs(kv_dtype):
+    """Captured once with one batch's q, lengths and pages, replayed with another's: the split count
+    and the grid are fixed by the shapes, the lengths and pages are read on the device."""
+    q, k_cache, v_cache, table, lens = make_case([5000, 4999, 3000], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    (k, k_scale), (v, v_scale) = (quantized(c, kv_dtype) if kv_dtype else (c, None) for c in (k_cache, v_cache))
+    captured_lens = torch.tensor([5000, 17, 3000], dtype=torch.int32, device="cuda")
+    paged_decode_attention(q, k, v, table, captured_lens, 128 ** -0.5, k_scale, v_scale)  # compiles outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k, v, table, captured_lens, 128 ** -0.5, k_scale, v_scale)
+    # Each row takes the next row's pages, at a length they hold.
+    table.copy_(table.roll(-1, 0))
+    captured_lens.copy_(torch.tensor([600, 2999, 1], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    caches = [kv_quant.dequantize(c, s, torch.float32) if s is not None else c for c, s in ((k, k_scale), (v, v_scale))]
+    torch.testing.assert_close(out.float(), reference(q, *caches, table, captured_lens, 128 ** -0.5), **BF16_TOL)

@@ -17,15 +17,20 @@ The prompts run batched through PagedLlama.prefill and .decode, as a prefill and
 run them (on a GPU: the fused RoPE/KV write and the Triton paged attention, without CUDA graphs).
 A checkpoint's prompts are a fixed set of texts; a random-weight model's (random:...) are seeded
 random token ids, --prompt-tokens each.
+On a GPU, float8_e4m3 runs a second time with the FP8-query attention (PagedLlama.fp8_query), as
+"float8_e4m3+fp8_query"; with --baseline (a file of an earlier shared/kernels/paged_attention_triton.py,
+loadtest/lib/baseline_attention.py) each format also runs with that kernel, as "<format>+baseline".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from loadtest.lib import baseline_attention
 from loadtest.lib.model_costs import kv_token_bytes
 from loadtest.lib.report import emit
 from shared.kv.pages import pages_for
@@ -112,6 +117,17 @@ def compare(reference: Run, forced: Run, free: Run) -> dict:
     }
 
 
+def variants(device: str, baseline) -> list[tuple[str, str, bool, contextlib.AbstractContextManager]]:
+    """(name, kv.dtype, fp8_query, the attention kernel in place) of each quantized run."""
+    out = [(kv_dtype, kv_dtype, False, contextlib.nullcontext()) for kv_dtype in QUANTIZED]
+    if device != "cpu":
+        out.append(("float8_e4m3+fp8_query", "float8_e4m3", True, contextlib.nullcontext()))
+        if baseline is not None:
+            out += [(f"{kv_dtype}+baseline", kv_dtype, False, baseline_attention.in_the_model(baseline))
+                    for kv_dtype in QUANTIZED]
+    return out
+
+
 def top2_margins(run: Run) -> dict:
     top2 = torch.stack(run.logits).topk(2, dim=-1).values
     margins = (top2[..., 0] - top2[..., 1]).flatten().cpu()
@@ -127,6 +143,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(TEXTS) + len(CHATS))
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="length of a random-weight model's prompts")
     parser.add_argument("--cache-dir", default="~/.cache/pdserve")
+    parser.add_argument("--baseline", help="GPU: a file of an earlier shared/kernels/paged_attention_triton.py")
     parser.add_argument("--out")
     args = parser.parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -143,11 +160,14 @@ def main() -> None:
         "reference_top2_margin": top2_margins(reference),
         "formats": {},
     }
-    for kv_dtype in QUANTIZED:
-        forced = generate(model, prompts, kv_dtype, args.tokens, forced=reference.tokens)
-        free = generate(model, prompts, kv_dtype, args.tokens)
-        report["formats"][kv_dtype] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
-                                       **compare(reference, forced, free)}
+    baseline = baseline_attention.load(args.baseline) if args.baseline else None
+    for name, kv_dtype, fp8_query, kernel in variants(args.device, baseline):
+        model.fp8_query = fp8_query
+        with kernel:
+            forced = generate(model, prompts, kv_dtype, args.tokens, forced=reference.tokens)
+            free = generate(model, prompts, kv_dtype, args.tokens)
+        report["formats"][name] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
+                                   **compare(reference, forced, free)}
     emit(report, args.out)
 
 

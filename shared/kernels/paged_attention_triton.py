@@ -18,36 +18,141 @@ query heads of the kv group at once (each K/V tile is loaded once and used by th
 tl.dot) and writes fp32 partial (max, sum, unnormalised acc). A second kernel, one program per
 (b, h), rescales the partials to a common max and normalises. num_splits depends only on shapes
 (batch, KVH, page_table width) and the SM count, so the function never syncs with the device and
-can be captured in a CUDA graph.
+can be captured in a CUDA graph: a graph's page table is as wide as its bucket's longest context.
 
-Quantized caches (int8 or float8_e4m3fn pages with a float32 scale per token and kv head, as
-shared/kernels/kv_quant.py writes them) are dequantized in registers, without a multiply per element:
-the values enter tl.dot as they are, converted to q's dtype (int8 and e4m3 values are exact in
-bf16), and each token's scale multiplies its column of scores (K) or of probabilities (V).
+The kernel is bound by the instructions it issues per byte, not by the tensor cores: on an H200 a
+program must consume 16 bytes per SM cycle to keep up with HBM. So the loop over full tiles carries
+no masks (only a chunk's last tile does), each row's address is its page's base plus an offset
+computed once, and quantized pages (int8 or float8_e4m3fn values with a float32 scale per token and
+kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per value as possible:
+
+- "fp16" (the default for quantized pages): the values are converted exactly to fp16 (every int8
+  and e4m3 value is an fp16 value; int8 through an integer add and a bitcast rather than the
+  quarter-rate int-to-float instruction), q is rounded to fp16 once with the softmax scale folded
+  in, and the scales stay outside the products: each token's K scale multiplies its column of
+  scores, its V scale its column of probabilities. The V scales are divided by their largest value
+  in the chunk first, so the fp16 probabilities keep their precision whatever the scales' size.
+- "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
+  both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
+  warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
-# Tokens per inner-loop iteration: several 16-token pages per tl.dot keeps the tensor cores busy.
-_BLOCK_N = 64
 # A split shorter than this spends more on its partial write and the reduction than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
 # Bounds the [splits, D] tile the reduction kernel holds in registers.
 _MAX_AUTO_SPLITS = 64
-# Launch ~2 programs per SM so that memory latency of one is hidden behind the other.
+# Programs per SM the splits aim at: 2 hide one program's memory latency behind the other's.
 _PROGRAMS_PER_SM = 2
 _DEFAULT_NUM_SMS = 132  # H200; used when the device cannot be queried (CPU interpreter)
 
+# How the products are computed (the kernel's MODE).
+MODES = {"native": 0, "fp16": 1, "fp8_query": 2}
+# The warpgroup MMA that runs FP8 products takes 64 rows at least.
+_WGMMA_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tokens per loop iteration and the program's warps and pipeline depth."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+
 
 if triton is not None:
+
+    @triton.jit
+    def _to_fp16(x, MODE: tl.constexpr):
+        """Page values as the products take them: fp16 for "fp16" (exact for int8 and e4m3), as
+        they are otherwise."""
+        if MODE != 1:
+            y = x
+        elif x.dtype == tl.int8:
+            # 0x6400 is 1024.0 with its last mantissa bit worth 1: the bits 0x6480 + x are 1152 + x
+            # exactly, and one half-precision subtraction leaves x (no int-to-float conversion).
+            y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+        else:
+            y = x.to(tl.float16)
+        return y
+
+    @triton.jit
+    def _load(pointers, mask, MASKED: tl.constexpr):
+        if MASKED:
+            values = tl.load(pointers, mask=mask, other=0.0)
+        else:
+            values = tl.load(pointers)
+        return values
+
+    @triton.jit
+    def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, hi, n, d,
+              row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t, stride_sp, stride_st,
+              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+        """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
+        chunk's last, partial tile (tokens at or past `hi` are left out)."""
+        tok = start + n
+        tok_mask = tok < hi
+        if BLOCK_N % PAGE_SIZE == 0:  # whole pages: a row's slot part of the address is loop-invariant
+            page_at = start // PAGE_SIZE + n // PAGE_SIZE
+        else:
+            page_at = tok // PAGE_SIZE
+            row_at += (tok % PAGE_SIZE) * stride_t
+            scale_row_at += (tok % PAGE_SIZE) * stride_st
+        # int64: page * stride_p overflows int32 for pools above 2**31 elements.
+        page = _load(table_row + page_at, tok_mask, MASKED).to(tl.int64)
+        rows = page * stride_p + row_at
+        scale_rows = page * stride_sp + scale_row_at
+        k = _load(k_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
+        # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
+        if MODE == 0:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        else:  # q already carries qk_scale
+            k_scale = _load(k_scale_ptr + scale_rows, tok_mask, MASKED)
+            qk = tl.dot(q, tl.trans(_to_fp16(k, MODE))) * k_scale[None, :]
+            if MODE == 2:
+                qk *= q_descale[:, None]
+        if MASKED:
+            qk = tl.where(tok_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
+        if MODE == 0:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            v_scale = _load(v_scale_ptr + scale_rows, tok_mask, MASKED)
+            weights = (p * (v_scale * v_norm)[None, :]).to(q.dtype)
+            pv = tl.dot(weights, _to_fp16(v, MODE))
+        return acc * alpha[:, None] + pv, m_new, l_i
+
+    @triton.jit
+    def _largest_scale(v_scale_ptr, table_row, lo, hi, kvh, stride_sp, stride_st,
+                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+        """The largest V scale of tokens lo..hi-1: the probabilities are weighed by the scales
+        divided by it, so the largest weight is 1 whatever the scales' size."""
+        n = tl.arange(0, BLOCK)
+        top = tl.zeros([BLOCK], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            tok = start + n
+            page = tl.load(table_row + tok // PAGE_SIZE, mask=tok < hi, other=0).to(tl.int64)
+            at = page * stride_sp + (tok % PAGE_SIZE) * stride_st + kvh
+            top = tl.maximum(top, tl.load(v_scale_ptr + at, mask=tok < hi, other=0.0))
+        return tl.max(top, axis=0)
 
     @triton.jit
     def _paged_decode_split_kernel(
@@ -55,13 +160,12 @@ if triton is not None:
         m_ptr, l_ptr, acc_ptr,
         qk_scale, num_splits,
         stride_qb, stride_qh,
-        stride_kp, stride_kt, stride_kh,
-        stride_vp, stride_vt, stride_vh,
+        stride_p, stride_t, stride_h,
         stride_sp, stride_st,
         stride_pt,
         num_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
@@ -70,7 +174,7 @@ if triton is not None:
         split = tl.program_id(2)
 
         seq_len = tl.load(seq_lens_ptr + b)
-        # Chunk boundaries on BLOCK_N multiples so only the last block of a sequence is partial.
+        # Chunk boundaries on BLOCK_N multiples so only the last tile of a sequence is partial.
         chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
@@ -83,45 +187,45 @@ if triton is not None:
         # Rows past GROUP are zero padding: tl.dot needs at least 16 rows.
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=head_mask[:, None], other=0.0)
+        table_row = page_table_ptr + b * stride_pt
+        row_at = kvh * stride_h + 0 * n
+        scale_row_at = kvh + 0 * n
+        if BLOCK_N % PAGE_SIZE == 0:
+            row_at += (n % PAGE_SIZE) * stride_t
+            scale_row_at += (n % PAGE_SIZE) * stride_st
+
+        v_top = 1.0
+        q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
+        if MODE != 0:
+            v_top = _largest_scale(v_scale_ptr, table_row, lo, hi, kvh, stride_sp, stride_st, PAGE_SIZE, 8 * BLOCK_N)
+            q = q.to(tl.float32) * qk_scale
+            if MODE == 2:
+                # One e4m3 scale per query head, as the pages have per token; its product with the
+                # K scale multiplies the scores.
+                q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / 448.0  # e4m3's largest value
+                q = (q / q_descale[:, None]).to(tl.float8e4nv)
+                v_top = v_top / 448.0
+            else:
+                q = q.to(tl.float16)
+        v_norm = 1.0 / tl.maximum(v_top, 1e-30)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            tok = start + n
-            tok_mask = tok < hi
-            # int64: page * stride_kp overflows int32 for pools above 2**31 elements.
-            page = tl.load(page_table_ptr + b * stride_pt + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-            slot = tok % PAGE_SIZE
-            k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                        mask=tok_mask[:, None], other=0.0)
-            scale_at = page * stride_sp + slot * stride_st + kvh  # unused, so compiled away, when not QUANTIZED
-            # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
-            if QUANTIZED:
-                k_scale = tl.load(k_scale_ptr + scale_at, mask=tok_mask, other=0.0)
-                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale[None, :] * qk_scale)
-            else:
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(tok_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                        mask=tok_mask[:, None], other=0.0)
-            if QUANTIZED:
-                v_scale = tl.load(v_scale_ptr + scale_at, mask=tok_mask, other=0.0)
-                pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
+        full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, hi,
+                                  n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION)
+        if full_end < hi:
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION)
         # Partials are [B, H, num_splits(, D)]; an empty split stores max=-inf, sum=0, acc=0.
         row = (b * num_heads + heads) * num_splits + split
         tl.store(m_ptr + row, m_i, mask=head_mask)
         tl.store(l_ptr + row, l_i, mask=head_mask)
-        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=head_mask[:, None])
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_top, mask=head_mask[:, None])
 
     @triton.jit
     def _paged_decode_reduce_kernel(
@@ -155,11 +259,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head) so that batch * num_kv_heads * splits covers the GPU ~twice,
-    without cutting the longest possible context into chunks under _MIN_TOKENS_PER_SPLIT tokens."""
-    wanted = math.ceil(_PROGRAMS_PER_SM * num_sms / (batch * num_kv_heads))
-    by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, _MAX_AUTO_SPLITS))
+    """Splits per (sequence, kv head): as many as fit in one wave of _PROGRAMS_PER_SM programs per
+    SM, at least one, and no chunk of the longest context under _MIN_TOKENS_PER_SPLIT tokens. One
+    wave, not more: the programs of a second, partial wave would run on few SMs. On an H200 batch 32
+    x 8 kv heads is unsplit (256 programs), batch 8 splits in 4, one sequence at 512K in 33."""
+    one_wave = _PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads)
+    by_length = max_context // _MIN_TOKENS_PER_SPLIT
+    return max(1, min(one_wave, by_length, _MAX_AUTO_SPLITS))
 
 
 def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -169,7 +275,8 @@ def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
         return
     if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"scales given for caches of {k_cache.dtype} and {v_cache.dtype}: int8 or float8_e4m3fn expected")
+        raise ValueError(f"scales given for caches of {k_cache.dtype} and {v_cache.dtype}: "
+                         "int8 or float8_e4m3fn expected")
     expected = k_cache.shape[:3]
     for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scales is None or scales.dtype != torch.float32 or scales.shape != expected or scales.stride(-1) != 1:
@@ -178,33 +285,55 @@ def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError("k_scale and v_scale need the same strides")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
-    """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
-    q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
-    k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
-    None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits)."""
-    require_triton("paged_decode_attention")
+def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                  seq_lens: torch.Tensor) -> None:
     batch, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, kv_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if kv_dim != head_dim or num_heads % num_kv_heads:
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} and v_cache {tuple(v_cache.shape)} "
+                         f"{v_cache.stride()} differ")
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not match the kv cache {tuple(k_cache.shape)}")
-    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("page_table and seq_lens must be int32")
     if page_table.dim() != 2 or page_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    if k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous head_dim")
     if page_table.stride(1) != 1 or not seq_lens.is_contiguous():
         raise ValueError("page_table rows and seq_lens must be contiguous")
-    q = q if q.stride(-1) == 1 else q.contiguous()
 
-    group = num_heads // num_kv_heads
+
+def compute_mode(q: torch.Tensor, k_cache: torch.Tensor, fp8_query: bool) -> str:
+    """The products' mode for these pages: "native" in q's dtype, "fp16" for quantized pages,
+    "fp8_query" where asked for float8_e4m3fn pages."""
+    if k_cache.dtype == q.dtype:
+        return "native"
+    if fp8_query:
+        if k_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_query needs float8_e4m3fn pages, not {k_cache.dtype}")
+        return "fp8_query"
+    return "fp16"
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           num_splits: int | None = None, fp8_query: bool = False,
+                           tiling: Tiling | None = None) -> torch.Tensor:
+    """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
+    q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
+    k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
+    None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
+    fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
+    tiling: the loop's tile and warps, DEFAULT_TILING's for the mode when None (benchmarks sweep it)."""
+    require_triton("paged_decode_attention")
+    _check_layout(q, k_cache, v_cache, page_table, seq_lens)
+    _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    mode = compute_mode(q, k_cache, fp8_query)
+    tiling = tiling or DEFAULT_TILING[mode]
     if num_splits is None:
         num_splits = _choose_num_splits(batch, num_kv_heads, page_table.shape[1] * page_size, _num_sms(q.device))
     if num_splits < 1:
@@ -215,22 +344,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
 
-    quantized = k_scale is not None
+    group = num_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)  # unread when unquantized
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache, page_table, seq_lens,
+        q, k_cache, v_cache, *scales, page_table, seq_lens,
         m, l, acc,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
+        k_scale.stride(0) if k_scale is not None else 0, k_scale.stride(1) if k_scale is not None else 0,
         page_table.stride(0),
         num_heads,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_N=_BLOCK_N,
+        GROUP=group, GROUP_PAD=max(_WGMMA_ROWS, group_pad) if mode == "fp8_query" else group_pad,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
-        num_warps=4, num_stages=2, **pdl_options(q.device),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(q.device),
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](
         m, l, acc, out,

@@ -106,6 +106,9 @@ class PagedLlama:
         self.embed, self.final_norm, self.lm_head = weights.embed, weights.final_norm, weights.lm_head
         self.cos, self.sin, self.layers = weights.cos, weights.sin, weights.layers
         self.linears = LinearChooser()  # the fused decode's matmuls: cuBLAS or the Triton GEMV, per shape
+        # float8_e4m3 pages on a GPU: q and the probabilities in e4m3 too, both attention products on
+        # FP8 tensor cores (shared/kernels/paged_attention_triton.py); benchmarks compare it.
+        self.fp8_query = False
 
     @classmethod
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
@@ -236,7 +239,7 @@ class PagedLlama:
                                            offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                            pool.key_scale(i), pool.value_scale(i))
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
-                                                   pool.key_scale(i), pool.value_scale(i))
+                                                   pool.key_scale(i), pool.value_scale(i), self.fp8_query)
             attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj)
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             gate_up = self.linears.apply(hidden, layer.gate_up)
