@@ -24,6 +24,7 @@ from services.router.api.admin import AdminService
 from services.router.api.auth import bearer_token, interceptors, tls_credentials
 from services.router.api.generation import GenerationService
 from services.router.api.http_server import HttpServer
+from services.router.api.internal_errors import HideInternalErrors
 from services.router.api.openai_api import create_app
 from services.router.control.token_router import TokenRouter
 from services.router.frontend import Frontend
@@ -62,7 +63,7 @@ async def serve(config: Config) -> int:
 
     router = TokenRouter(config, checkpoint_fingerprint(checkpoint), on_workers_changed, stop.fail)
     on_workers_changed(False)
-    server = grpc.aio.server(interceptors=interceptors(config.router), options=[
+    server = grpc.aio.server(interceptors=[HideInternalErrors(), *interceptors(config.router)], options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
