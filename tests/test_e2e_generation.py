@@ -155,6 +155,9 @@ BAD_REQUESTS = {
     "top_p 0": generation_pb2.GenerateRequest(prompt="hi", top_p=0.0),
     "top_p above 1": generation_pb2.GenerateRequest(prompt="hi", top_p=1.5),
     "negative top_k": generation_pb2.GenerateRequest(prompt="hi", top_k=-1),
+    "top_k above the vocabulary": generation_pb2.GenerateRequest(prompt="hi", top_k=49153),
+    "top_k of int32's largest": generation_pb2.GenerateRequest(prompt="hi", top_k=2**31 - 1),
+    "max_tokens of uint32's largest": generation_pb2.GenerateRequest(prompt="hi", max_tokens=2**32 - 1),
     "unknown chat role":
         generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="robot", content="x")]),
     "token id outside vocabulary": generation_pb2.GenerateRequest(prompt_token_ids=[1, 49152]),

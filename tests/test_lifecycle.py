@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from pdserve.v1 import generation_pb2
+from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW
 from tests.stack import REPO, ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -80,7 +81,8 @@ def test_router_survives_garbage_frames(stack):
     assert "malformed" in stack.log_path("router").read_text()
 
 
-# The router, with its liveness check made to raise: the token router's timeouts loop dies at its first tick.
+# The router, with its liveness check made to raise: the token router's timeouts loop fails every tick,
+# and gives up after MAX_FAILURES_IN_A_ROW of them (shared/runtime/tasks.py, LoopGuard).
 ROUTER_WITH_A_DYING_LOOP = """
 from services.router.control.membership import Membership
 def drop_silent(self): raise RuntimeError("injected")
@@ -99,6 +101,7 @@ def test_a_dead_background_loop_stops_the_router_with_a_non_zero_exit(tmp_path, 
     lines = log_path.read_text()
     assert router.returncode == 1, lines
     assert "background task failed" in lines and "injected" in lines
+    assert f"the timeouts loop failed {MAX_FAILURES_IN_A_ROW} iterations in a row" in lines
 
 
 def test_services_speak_systemds_notify_protocol(tmp_path, checkpoint):

@@ -133,6 +133,7 @@ BAD_INPUT = {
     "top_p 0": ({"top_p": 0.0}, {"top_p": 0.0}),
     "top_p above 1": ({"top_p": 1.5}, {"top_p": 1.5}),
     "negative top_k": ({"extra_body": {"top_k": -1}}, {"top_k": -1}),
+    "top_k above the vocabulary": ({"extra_body": {"top_k": 49153}}, {"top_k": 49153}),
     "too many stop strings": ({"stop": [str(i) for i in range(17)]}, {"stop": [str(i) for i in range(17)]}),
     "unknown chat role": ({"messages": [{"role": "robot", "content": "x"}]},
                           {"messages": [{"role": "robot", "content": "x"}]}),
@@ -157,6 +158,29 @@ def test_bad_completion_input_is_400_with_grpcs_message(token_stack, client, pro
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL, prompt=prompt)
     assert error.value.body["message"] == _grpc_error(token_stack, **grpc_fields)
+
+
+# JSON integers beyond what GenerateRequest's fields can carry, and beyond what msgpack packs (2^64)
+# or torch holds (2^63): each refused by name, before it reaches the wire or a worker.
+HOSTILE_INTEGERS = {
+    "top_k of 2^63": ({"extra_body": {"top_k": 2**63}}, "top_k"),
+    "top_k of 2^64": ({"extra_body": {"top_k": 2**64}}, "top_k"),
+    "a 400-digit top_k": ({"extra_body": {"top_k": 10**400}}, "top_k"),
+    "seed of 2^64": ({"seed": 2**64}, "seed"),
+    "negative seed": ({"seed": -1}, "seed"),
+    "max_tokens of 2^64": ({"max_tokens": 2**64}, "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_INTEGERS))
+def test_integers_beyond_the_wire_are_400_by_name_and_the_next_request_is_served(client, case):
+    fields, name = HOSTILE_INTEGERS[case]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **fields})
+    assert error.value.body["code"] == "INVALID_ARGUMENT" and error.value.body["message"].startswith(f"{name} ")
+    assert len(error.value.body["message"]) < 200, "the value is quoted back cut short"
+    text, finish, _ = _chat(client, stream=False, messages=CHAT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert finish == "length" and text
 
 
 @pytest.mark.parametrize(("create", "fields", "param"), [

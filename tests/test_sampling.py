@@ -1,5 +1,6 @@
 """shared/model/sampling.py: greedy and seeded sampling, top-k/top-p, the distribution, and FinishCheck."""
 
+import pytest
 import torch
 
 from shared.control.messages import FinishReason, SamplingParams, StopParams
@@ -58,6 +59,16 @@ def test_different_seeds_give_different_draws():
     draws = [sample(row, [seeded(s)], [0])[0] for s in range(200)]
     assert len(set(draws)) > VOCAB // 2
     assert max(draws.count(t) for t in set(draws)) < 20
+
+
+@pytest.mark.parametrize("bit", [32, 47, 63])
+def test_every_bit_of_a_seed_counts(bit):
+    """Seeds are uint64s, and torch's CPU generator takes 32 bits of its own seed: two request seeds
+    that differ only in a high bit still draw apart, as any two others do."""
+    row = torch.zeros(1, VOCAB)
+    draws = [sample(row, [seeded(s)], [i])[0] for s in range(20) for i in range(5)]
+    flipped = [sample(row, [seeded(s | 1 << bit)], [i])[0] for s in range(20) for i in range(5)]
+    assert sum(a != b for a, b in zip(draws, flipped)) > len(draws) // 2
 
 
 def test_output_index_changes_the_draw():

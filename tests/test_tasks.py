@@ -1,5 +1,6 @@
 """Background tasks (shared/runtime/tasks.py): one that raises is logged and stops its service as
-failed; one cancelled at shutdown, or one that ends well, stops nothing."""
+failed; one cancelled at shutdown, or one that ends well, stops nothing; a loop outlives a failed
+iteration and gives up only when it keeps failing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 from structlog.testing import capture_logs
 
-from shared.runtime.tasks import ServiceStop, spawn
+from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW, LoopBroken, LoopGuard, ServiceStop, spawn
 
 
 async def _raise() -> None:
@@ -67,3 +68,32 @@ def test_a_stop_signal_exits_0_and_the_first_failure_is_kept():
     stop.fail(first)
     stop.fail(RuntimeError("second"))
     assert stop.failure is first and stop.exit_code == 1
+
+
+def test_a_loop_outlives_failed_iterations_and_gives_up_only_when_it_keeps_failing():
+    """LoopGuard: each failure logged with its traceback, a success starts the count over; a run of
+    MAX_FAILURES_IN_A_ROW failures ends the loop, and its task stops the service as failed."""
+    outcomes = iter([False] * (MAX_FAILURES_IN_A_ROW - 1) + [True] + [False] * MAX_FAILURES_IN_A_ROW)
+    done = []
+
+    async def loop() -> None:
+        guard = LoopGuard("timeouts")
+        for succeeds in outcomes:
+            with guard.iteration():
+                if not succeeds:
+                    raise RuntimeError("one bad iteration")
+            done.append(succeeds)
+
+    async def main() -> ServiceStop:
+        stop = ServiceStop()
+        await _settle(spawn(loop(), "timeouts", stop.fail))
+        return stop
+
+    with capture_logs() as logs:
+        stop = asyncio.run(main())
+    assert len(done) == 2 * MAX_FAILURES_IN_A_ROW - 1, "every failure but the last let the loop go on"
+    assert isinstance(stop.failure, LoopBroken) and stop.exit_code == 1
+    failed = [e for e in logs if e["event"].startswith("loop iteration failed")]
+    assert len(failed) == 2 * MAX_FAILURES_IN_A_ROW - 1 and all(e["exc_info"] is True for e in failed)
+    assert [e["failures_in_a_row"] for e in failed][MAX_FAILURES_IN_A_ROW - 2:MAX_FAILURES_IN_A_ROW] == [
+        MAX_FAILURES_IN_A_ROW - 1, 1]

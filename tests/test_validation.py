@@ -7,7 +7,16 @@ import pytest
 
 from pdserve.v1 import generation_pb2 as pb
 from services.router.api.generation import generate_input
-from services.router.validation import GenerateInput, InvalidRequest, ModelLimits, build_job, check_request_shape
+from services.router.validation import (
+    MAX_SEED,
+    GenerateInput,
+    InvalidRequest,
+    ModelLimits,
+    build_job,
+    check_request_shape,
+)
+from shared.control import wire
+from shared.control.messages import PrefillTask
 from shared.config import RouterConfig
 
 LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)
@@ -134,7 +143,7 @@ def test_max_tokens_within_context_is_cut_to_the_room():
 def test_seed_is_drawn_when_unset():
     seeds = {job().sampling.seed for _ in range(20)}
     assert len(seeds) > 1
-    assert all(0 <= s < 1 << 63 for s in seeds)  # fits torch's generator seed
+    assert all(0 <= s <= MAX_SEED for s in seeds)  # fits torch's generator seed
 
 
 def test_seed_zero_is_kept():
@@ -174,3 +183,42 @@ def test_a_negative_max_tokens_gets_the_message_of_zero():
     """The OpenAI front's JSON can carry what GenerateRequest's unsigned field cannot."""
     with pytest.raises(InvalidRequest, match="max_tokens must be at least 1"):
         check_request_shape(GenerateInput(prompt="hi", max_tokens=-5), LIMITS)
+
+
+# What the OpenAI front's JSON can carry and GenerateRequest's fixed-size fields cannot: every
+# integer must be refused here, by name, before msgpack, the proto or torch meet it.
+HUGE = 10 ** 4000  # a JSON integer Python still parses
+OUT_OF_RANGE = {
+    "top_k above the vocabulary": (dict(top_k=LIMITS.vocab_size + 1), "top_k"),
+    "top_k of 2^63": (dict(top_k=1 << 63), "top_k"),
+    "top_k of 2^64": (dict(top_k=1 << 64), "top_k"),
+    "huge top_k": (dict(top_k=HUGE), "top_k"),
+    "negative seed": (dict(seed=-1), "seed"),
+    "seed of 2^64": (dict(seed=1 << 64), "seed"),
+    "huge seed": (dict(seed=-HUGE), "seed"),
+    "max_tokens of 2^64": (dict(max_tokens=1 << 64), "max_tokens"),
+    "huge max_tokens": (dict(max_tokens=HUGE), "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", OUT_OF_RANGE, ids=OUT_OF_RANGE.keys())
+def test_integers_beyond_what_the_wire_and_torch_take_are_refused_by_name(case):
+    fields, name = OUT_OF_RANGE[case]
+    with pytest.raises(InvalidRequest, match=f"^{name} ") as error:  # before tokenizing
+        check_request_shape(GenerateInput(prompt="hi", **fields), LIMITS)
+    assert len(str(error.value)) < 200, "the value is quoted back cut short"
+
+
+def test_a_huge_token_id_is_refused_by_its_size():
+    """str() of a 4,000-digit integer raises: the message gives its size instead."""
+    with pytest.raises(InvalidRequest, match=r"^token id an integer of 13288 bits is outside the vocabulary"):
+        build_job(GenerateInput(prompt_token_ids=(1, HUGE)), [1, HUGE], LIMITS)
+
+
+def test_the_largest_values_taken_are_kept_whole_and_go_over_the_wire():
+    """The bounds are the wire's and the sampler's own: at each of them the job still encodes, and the
+    seed is the client's, not masked to 63 bits."""
+    built = job(top_k=LIMITS.vocab_size, seed=MAX_SEED, max_tokens=LIMITS.max_context)
+    assert (built.sampling.top_k, built.sampling.seed) == (LIMITS.vocab_size, MAX_SEED)
+    task = PrefillTask("r", built.prompt_token_ids, built.sampling, built.stop, 0.0)
+    assert wire.decode(wire.encode(task)) == task

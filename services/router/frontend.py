@@ -9,6 +9,8 @@ to the token router, turn its tokens into chunks of text, and let it go.
 The fronts (generation.py for gRPC, openai_api.py for HTTP) only translate: their request into a
 GenerateInput, a Chunk into their response, an error into their status. The outcome is counted
 here, once per request (shared/runtime/metrics.py RequestTimer), so a dashboard sees both fronts alike.
+An exception nobody expected while a request is placed reaches them as RequestError INTERNAL:
+"internal error" and an id, its text only in the log (control/request.py, internal_error).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.router.control.request import ErrorEvent, InflightRequest, RequestError, StageTimings
+from services.router.control.request import (
+    ErrorEvent,
+    InflightRequest,
+    RequestError,
+    StageTimings,
+    unexpected_as_internal,
+)
 from services.router.control.token_router import TokenRouter
 from services.router.detokenizer import IncrementalText
 from services.router.prompt_tokenizer import PromptTokenizer
@@ -68,8 +76,9 @@ class Frontend:
         structlog.contextvars.bind_contextvars(request_id=inflight.request_id)
         generation = Generation(self, inflight, timer)
         try:
-            await self.router.submit(inflight)
-        except BaseException as exc:  # refused by admission, or the client left while it waited
+            with unexpected_as_internal():
+                await self.router.submit(inflight)
+        except BaseException as exc:  # refused by admission, the client left while it waited, or a bug
             generation.close(exc)
             raise
         return generation

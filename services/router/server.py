@@ -24,6 +24,7 @@ from services.router.api.admin import AdminService
 from services.router.api.auth import bearer_token, interceptors, tls_credentials
 from services.router.api.generation import GenerationService
 from services.router.api.http_server import HttpServer
+from services.router.api.internal_errors import HideInternalErrors
 from services.router.api.openai_api import create_app
 from services.router.api.request_slots import RequestSlots
 from services.router.control.token_router import TokenRouter
@@ -80,7 +81,7 @@ async def serve(config: Config) -> int:
     on_workers_changed(False)
     # No maximum_concurrent_rpcs: gRPC's would count health checks, and hold a cancelled stream's
     # slot until its unread chunks are gone (request_slots.py counts instead).
-    server = grpc.aio.server(interceptors=interceptors(config.router), options=[
+    server = grpc.aio.server(interceptors=[HideInternalErrors(), *interceptors(config.router)], options=[
         ("grpc.max_receive_message_length", config.router.max_request_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.server_handshake_timeout_ms", int(config.router.connection_idle_timeout_s * 1000)),

@@ -2,6 +2,9 @@
 
 Both fronts fill one GenerateInput (the gRPC front from its GenerateRequest, the OpenAI front from its
 JSON body), so the same input is refused by the same check with the same message, whichever way it came.
+Every number is bounded here, not only where it makes sense but where it must travel: a JSON integer
+has no size, and one that msgpack cannot pack, the proto cannot carry or torch cannot hold would fail
+inside the router or a worker instead of coming back as the client's mistake.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ MAX_ECHOED_CHARS = 32  # of a client's bad value quoted back in an error, which 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_SEED = (1 << 64) - 1  # GenerateRequest's seed is a uint64, and the sampler uses all of its bits
 
 
 class InvalidRequest(ValueError):
@@ -64,7 +68,16 @@ class Job:
     stop_strings: list[str]
 
 
-def _sampling(request: GenerateInput) -> SamplingParams:
+def quoted(value: object) -> str:
+    """A client's value in an error message, cut to MAX_ECHOED_CHARS: an answer must not echo
+    megabytes, and str() of an integer of thousands of digits raises instead of returning."""
+    if isinstance(value, int) and abs(value) >= 10 ** MAX_ECHOED_CHARS:
+        return f"an integer of {value.bit_length()} bits"
+    shown = value if isinstance(value, str) else str(value)
+    return shown if len(shown) <= MAX_ECHOED_CHARS else shown[:MAX_ECHOED_CHARS] + "…"
+
+
+def _sampling(request: GenerateInput, limits: ModelLimits) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k is None else request.top_k
@@ -72,10 +85,13 @@ def _sampling(request: GenerateInput) -> SamplingParams:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not (0 < top_p <= 1):  # also refuses NaN
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 is off), got {top_k}")
-    seed = secrets.randbits(63) if request.seed is None else request.seed & 0x7FFF_FFFF_FFFF_FFFF
-    return SamplingParams(float(temperature), float(top_p), int(top_k), seed)
+    if not 0 <= top_k <= limits.vocab_size:
+        raise InvalidRequest(f"top_k must be in [0, {limits.vocab_size}] (0 is off, at most the vocabulary), "
+                             f"got {quoted(top_k)}")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be in [0, 2^64 - 1], got {quoted(request.seed)}")
+    seed = secrets.randbits(64) if request.seed is None else request.seed
+    return SamplingParams(float(temperature), float(top_p), top_k, seed)
 
 
 def _stop_strings(request: GenerateInput) -> list[str]:
@@ -121,12 +137,17 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
         raise InvalidRequest("prompt is empty")
     for message in request.messages:
         if message.role not in CHAT_ROLES:
-            role = message.role if len(message.role) <= MAX_ECHOED_CHARS else message.role[:MAX_ECHOED_CHARS] + "…"
-            raise InvalidRequest(f"unknown chat role {role!r}; use one of {sorted(CHAT_ROLES)}")
-    if request.max_tokens is not None and request.max_tokens < 1:
-        raise InvalidRequest("max_tokens must be at least 1")
-    _sampling(request)
+            raise InvalidRequest(f"unknown chat role {quoted(message.role)!r}; use one of {sorted(CHAT_ROLES)}")
+    _check_max_tokens(request.max_tokens, limits)
+    _sampling(request, limits)
     _stop_strings(request)
+
+
+def _check_max_tokens(max_tokens: int | None, limits: ModelLimits) -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1")
+    if max_tokens is not None and max_tokens > limits.max_context:
+        raise InvalidRequest(f"max_tokens {quoted(max_tokens)} exceeds the model's context of {limits.max_context}")
 
 
 def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: ModelLimits) -> Job:
@@ -135,17 +156,15 @@ def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: Model
         raise InvalidRequest("the prompt tokenizes to no tokens")
     bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidRequest(f"token id {quoted(bad)} is outside the vocabulary [0, {limits.vocab_size})")
     room = limits.max_context - len(prompt_token_ids)
     if room < 1:
         raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
                              f"{limits.max_context}, leaving no room to generate")
-    if request.max_tokens is not None and request.max_tokens > limits.max_context:
-        raise InvalidRequest(f"max_tokens {request.max_tokens} exceeds the model's context of {limits.max_context}")
     wanted = limits.default_max_tokens if request.max_tokens is None else request.max_tokens
     return Job(
         prompt_token_ids=prompt_token_ids,
-        sampling=_sampling(request),
+        sampling=_sampling(request, limits),
         stop=StopParams(max_tokens=min(wanted, room), ignore_eos=request.ignore_eos),
         stop_strings=_stop_strings(request),
     )

@@ -35,8 +35,16 @@ class WireError(ValueError):
     """A frame that is not a valid message; the receiver logs and drops it."""
 
 
+class EncodeError(ValueError):
+    """A message that msgpack cannot pack (an integer beyond 64 bits, a type it does not know): a
+    value that no check stopped. Raised to the sender, whose message it concerns; nothing was sent."""
+
+
 def encode(message: object) -> bytes:
-    return msgpack.packb([int(KIND_OF[type(message)]), *_to_plain(message)], use_bin_type=True)
+    try:
+        return msgpack.packb([int(KIND_OF[type(message)]), *_to_plain(message)], use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise EncodeError(f"{type(message).__name__} cannot be encoded: {exc}") from exc
 
 
 def pack_page_ids(pages: list[int]) -> bytes:

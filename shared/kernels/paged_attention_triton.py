@@ -40,7 +40,6 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch

@@ -18,10 +18,17 @@ from shared.control.messages import FinishReason, SamplingParams, StopParams
 # Below this temperature the distribution is the argmax, and dividing by it would overflow.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
+_UINT64 = (1 << 64) - 1
 
 
 def _step_seed(seed: int, index: int) -> int:
-    return (seed ^ ((index + 1) * _MIX)) & 0x7FFF_FFFF_FFFF_FFFF
+    """splitmix64's finalizer of (seed, index): every bit of a request's uint64 seed reaches every
+    bit of the result, the low 32 above all, which are all that torch's CPU generator (mt19937)
+    takes of a seed."""
+    z = (seed + (index + 1) * _MIX) & _UINT64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return z ^ (z >> 31)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:

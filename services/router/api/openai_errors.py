@@ -16,7 +16,7 @@ answer is not this object: a body whose Content-Length is above the limit gets S
 | router.max_concurrent_rpcs requests in flight already          | 429  | rate_limit_error      | RESOURCE_EXHAUSTED |
 | no worker serves, a worker failed, a stage timed out           | 503  | service_unavailable   | UNAVAILABLE        |
 | router.http_max_connections open, each with a request in flight | 503 | service_unavailable   | UNAVAILABLE        |
-| anything else                                                  | 500  | server_error          | INTERNAL           |
+| anything else, as "internal error (error id …)"               | 500  | server_error          | INTERNAL           |
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from services.router.control.request import RequestError
+from services.router.control.request import RequestError, internal_error
 from services.router.validation import InvalidRequest
 from shared.control.messages import ErrorCode
 
@@ -108,4 +108,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return _json(500, f"internal error: {exc!r}", "server_error")
+        """Its text goes to the log, under the id the client is given (control/request.py, internal_error)."""
+        return _json(500, str(internal_error(exc)), "server_error")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic_core import PydanticCustomError
 
 from services.router.frontend import Chunk, Usage
-from services.router.validation import ChatMessage, GenerateInput
+from services.router.validation import ChatMessage, GenerateInput, quoted
 
 
 def _refused(field: str, why: str) -> PydanticCustomError:
@@ -54,7 +54,7 @@ class _GenerateBody(BaseModel):
     @classmethod
     def _one_choice(cls, n: int) -> int:
         if n != 1:
-            raise _refused("n", f"pdserve generates one choice per request, not {n}")
+            raise _refused("n", f"pdserve generates one choice per request, not {quoted(n)}")
         return n
 
     def _input(self, label: str, max_tokens: int | None, **given) -> GenerateInput:

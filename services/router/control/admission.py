@@ -1,12 +1,16 @@
 """Admission: requests wait here, FIFO, until one prefill and one decode have room, then are placed.
 
 Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages on the decode
-before the prefill starts, so a finished prefill never waits for decode room. Reservations live
+as the prefill starts, so a finished prefill never waits for decode room. Reservations live
 on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:
 the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
 when the request fails; admit_waiting() then places whoever waits. The waiting line is bounded in
 length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
 request is refused with RESOURCE_EXHAUSTED.
+
+A request is reserved for only once its PrefillTask went out: a task that cannot be sent (a bug
+that let an unencodable value through) holds nothing, and its error goes to that request's own
+caller, even when a handler of another request's message placed it from the waiting line.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from shared.runtime import metrics
 class Admission:
     def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, config: RouterConfig, page_size: int,
                  on_placed: Callable[[InflightRequest], None]):
-        """on_placed: called with each request the moment it has its workers and reservations."""
+        """on_placed: sends a request that has its workers its PrefillTask, and raises if it cannot;
+        the request's reservations follow once it has returned."""
         self.registry = registry
         self.policy = policy
         self.config = config
@@ -69,16 +74,18 @@ class Admission:
                 self.waiting.remove(entry)
 
     def admit_waiting(self) -> None:
-        """Places waiting requests, in order, while the first of them fits."""
+        """Places waiting requests, in order, while the first of them fits; one that fails to start
+        hears why from its future, and the next is placed."""
         while self.waiting:
             request, placed = self.waiting[0]
-            if placed.done():  # its caller gave up
-                self.waiting.popleft()
-            elif self._place(request):
-                self.waiting.popleft()
-                placed.set_result(None)
-            else:
-                return
+            if not placed.done():  # else its caller gave up
+                try:
+                    if not self._place(request):
+                        return
+                    placed.set_result(None)
+                except Exception as exc:
+                    placed.set_exception(exc)
+            self.waiting.popleft()
 
     @staticmethod
     def release(worker: WorkerRecord | None, request: InflightRequest) -> bool:
@@ -90,7 +97,8 @@ class Admission:
 
     def replace_prefill(self, request: InflightRequest) -> bool:
         """Moves a request that failed on its prefill, before its first token, to another one
-        with room now; False if there is none (its old reservation is released either way)."""
+        with room now, and starts it there (on_placed); False if there is none. Its old reservation
+        is released either way; its new one is made once the task went out."""
         request.failed_on.add(request.prefill.worker_id)
         self.release(request.prefill, request)
         pages = self.pages_needed(request)[Role.PREFILL]
@@ -98,26 +106,28 @@ class Admission:
         prefill = self.policy.pick_prefill(prefills, request, pages)
         if prefill is None:
             return False
+        request.prefill = prefill
+        self.on_placed(request)
         self._reserve_prefill(request, prefill, pages)
         return True
 
     def _place(self, request: InflightRequest) -> bool:
+        """Starts the request on the pair with room (False if none has); raises what on_placed raised."""
         needed = self.pages_needed(request)
         pair = self.policy.pick_pair(self.registry.serving(Role.PREFILL), self.registry.serving(Role.DECODE), request,
                                      needed[Role.PREFILL], needed[Role.DECODE])
         if pair is None:
             return False
         prefill, decode = pair
-        self._reserve_prefill(request, prefill, needed[Role.PREFILL])
-        request.decode = decode
-        decode.reservations[request.request_id] = needed[Role.DECODE]
-        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
+        request.prefill, request.decode = prefill, decode
         request.timings.router_queue_s = time.perf_counter() - request.submitted_at
         self.on_placed(request)
+        self._reserve_prefill(request, prefill, needed[Role.PREFILL])
+        decode.reservations[request.request_id] = needed[Role.DECODE]
+        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
         return True
 
     def _reserve_prefill(self, request: InflightRequest, prefill: WorkerRecord, pages: int) -> None:
-        request.prefill = prefill
         prefill.reservations[request.request_id] = pages
         prefill.pending_tokens[request.request_id] = self.policy.tokens_to_compute(prefill, request)
         metrics.count_routed(prefill.worker_id, Role.PREFILL, prefill.pending_tokens[request.request_id])

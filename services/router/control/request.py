@@ -11,6 +11,7 @@ Stages (InflightRequest.stage):
   DECODE     DecodeTask sent; TokenBatch entries bring the rest
   DONE       ended by the workers (EOS, length, failure) or by the front (client gone, stop string)
 Every stage has a deadline (router.*_timeout_s): a request past it fails with UNAVAILABLE.
+An exception nobody expected fails the request it concerns with INTERNAL (internal_error).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ import asyncio
 import dataclasses
 import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+
+import structlog
 
 from services.router.control.worker_records import WorkerRecord
 from services.router.validation import Job
@@ -28,10 +33,32 @@ from shared.control.messages import ErrorCode, FinishReason
 from shared.kv.page_keys import page_keys
 
 
+log = structlog.get_logger()
+
+
 class RequestError(Exception):
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+def internal_error(exc: BaseException) -> RequestError:
+    """An unexpected exception as its client hears of it: "internal error" and an id. Its text
+    stays in the log line, which carries the same id and the traceback."""
+    error_id = secrets.token_hex(8)
+    log.error("internal error", error_id=error_id, exc_info=exc)
+    return RequestError(ErrorCode.INTERNAL, f"internal error (error id {error_id})")
+
+
+@contextmanager
+def unexpected_as_internal() -> Iterator[None]:
+    """Lets RequestError through and turns any other Exception into internal_error's."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except Exception as exc:
+        raise internal_error(exc) from exc
 
 
 class Stage(Enum):

@@ -12,21 +12,27 @@ Nothing is trusted blindly: each message about a request must come from the work
 gave it to. Who may join and when a worker is dropped is membership's job (membership.py); frames
 in and out are the worker socket's (worker_socket.py). A worker that membership drops fails its
 requests with UNAVAILABLE; so does a request that overstays any stage's timeout.
+
+One request's trouble stays its own: an exception while handling one request (a message about it,
+its timeout, its worker's loss, one token of a batch) fails that request alone with INTERNAL and
+releases what it held, and the handler goes on with the others. The socket's and the timeouts'
+loops outlive a failed iteration (shared/runtime/tasks.py, LoopGuard).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import structlog
 
 from services.router.control.admission import Admission
 from services.router.control.membership import Membership, Peer
 from services.router.control.registration import RegistrationPolicy
-from services.router.control.request import ErrorEvent, InflightRequest, Stage, TokenEvent
+from services.router.control.request import ErrorEvent, InflightRequest, Stage, TokenEvent, internal_error
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
@@ -43,9 +49,10 @@ from shared.control.messages import (
     ReleaseKv,
     Role,
     TokenBatch,
+    TokenOut,
 )
 from shared.runtime import metrics
-from shared.runtime.tasks import OnFailure, spawn
+from shared.runtime.tasks import LoopGuard, OnFailure, spawn
 
 log = structlog.get_logger()
 
@@ -134,14 +141,13 @@ class TokenRouter:
     # ---- a request's stages ----
 
     def _start_prefill(self, request: InflightRequest) -> None:
-        self.requests[request.request_id] = request
-        self._send_prefill_task(request)
-
-    def _send_prefill_task(self, request: InflightRequest) -> None:
+        """Sends the PrefillTask to request.prefill, then records the request; raises when the task
+        cannot be sent (admission reserves for the request only once this has returned)."""
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
         self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling,
                                                       job.stop, time.time()))
+        self.requests[request.request_id] = request
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
@@ -173,8 +179,19 @@ class TokenRouter:
         if request.failed_on or not self.admission.replace_prefill(request):
             return False
         metrics.REQUEST_RETRIES.inc()
-        self._send_prefill_task(request)
         return True
+
+    @contextmanager
+    def _alone(self, request: InflightRequest) -> Iterator[None]:
+        """Around the handling of one request: what it raises fails that request alone (INTERNAL,
+        its reservations released), and the caller goes on with the others."""
+        try:
+            yield
+        except Exception as exc:
+            error = internal_error(exc)
+            if not request.ended():
+                self._abort_on_workers(request)
+                self._end(request, ErrorEvent(error.code, str(error)))
 
     def _abort_on_workers(self, request: InflightRequest) -> None:
         holder = request.holder()
@@ -190,17 +207,20 @@ class TokenRouter:
     async def _timeouts_loop(self) -> None:
         """What time alone ends: a silent worker, a stage past its deadline, a handoff never pulled."""
         period = min(0.25, self.settings.heartbeat_timeout_s / 4)
+        guard = LoopGuard("timeouts")
         while True:
             await asyncio.sleep(period)
-            self.membership.drop_silent()
-            self._expire_stages(time.monotonic())
-            self.membership.drop_unreachable()
+            with guard.iteration():
+                self.membership.drop_silent()
+                self._expire_stages(time.monotonic())
+                self.membership.drop_unreachable()
 
     def _expire_stages(self, now: float) -> None:
         for request in list(self.requests.values()):
             if not request.ended() and now > request.deadline:
-                self._fail(request, ErrorCode.UNAVAILABLE, f"the request's {request.stage.value} stage timed out",
-                           request.holder())
+                with self._alone(request):
+                    self._fail(request, ErrorCode.UNAVAILABLE,
+                               f"the request's {request.stage.value} stage timed out", request.holder())
         for request_id, handoff in list(self.handoffs.items()):
             if now - handoff.since > self.settings.handoff_timeout_s:
                 log.warning("handoff not pulled in time: releasing the prefill's pages", request_id=request_id)
@@ -219,7 +239,8 @@ class TokenRouter:
         for request_id in list(worker.reservations):
             request = self.requests.get(request_id)
             if request is not None:
-                self._fail(request, ErrorCode.UNAVAILABLE, reason, worker)  # aborts it on its other worker
+                with self._alone(request):
+                    self._fail(request, ErrorCode.UNAVAILABLE, reason, worker)  # aborts it on its other worker
         for request_id, handoff in list(self.handoffs.items()):
             if handoff.decode_id == worker.worker_id:
                 self._release_handoff(request_id)
@@ -237,6 +258,11 @@ class TokenRouter:
         if request is None or request.stage != Stage.PREFILL or request.prefill is not prefill:
             self.socket.send(prefill, ReleaseKv(message.request_id))  # the request ended meanwhile
             return
+        with self._alone(request):
+            self._hand_over(request, prefill, message)
+
+    def _hand_over(self, request: InflightRequest, prefill: WorkerRecord, message: KvReady) -> None:
+        """The first token to the front, and the KV to the decode (or, when it ended there, back)."""
         prefill.pending_tokens.pop(request.request_id, None)
         timings = request.timings
         timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
@@ -250,10 +276,12 @@ class TokenRouter:
             return
         request.events.put_nowait(TokenEvent(message.first_token_id, None))
         request.enter(Stage.DECODE, self.settings.handoff_timeout_s)
-        self.handoffs[request.request_id] = Handoff(prefill.worker_id, request.decode.worker_id, time.monotonic())
         job = request.job
         self.socket.send(request.decode, DecodeTask(request.request_id, prefill.worker_id, message.page_ids,
                                                     message.num_tokens, message.first_token_id, job.sampling, job.stop))
+        # Only a task that went out owes the prefill a ReleaseKv; pages of one that did not are
+        # held by a request the router no longer knows, which the prefill's heartbeats get aborted.
+        self.handoffs[request.request_id] = Handoff(prefill.worker_id, request.decode.worker_id, time.monotonic())
 
     def _on_kv_pulled(self, peer: Peer, message: KvPulled) -> None:
         handoff = self.handoffs.get(message.request_id)
@@ -274,26 +302,30 @@ class TokenRouter:
             self.socket.send(prefill, ReleaseKv(request_id))
 
     def _on_token_batch(self, peer: Peer, message: TokenBatch) -> None:
+        """Token by token: one whose handling raises fails its own request, never the batch."""
         decode = peer.worker
         if decode is None or decode.role != Role.DECODE:
             return
-        now = time.monotonic()
         for token in message.tokens:
             request = self.requests.get(token.request_id)
             if request is None or request.decode is not decode or request.stage != Stage.DECODE:
                 if token.finish_reason is None:
                     self.socket.send(decode, Abort(token.request_id))  # decoding what nobody waits for
                 continue
-            clock = request.clock
-            if not clock.first_step_started_at:  # its first decode step
-                clock.first_step_started_at, clock.first_step_received_at = message.step_started_at, time.time()
-                metrics.observe(metrics.KV_HANDOFF, message.step_started_at - clock.kv_ready_at)
-            event = TokenEvent(token.token_id, token.finish_reason)
-            if token.finish_reason is not None:
-                self._end(request, event)
-            else:
-                request.deadline = now + self.settings.decode_token_timeout_s
-                request.events.put_nowait(event)
+            with self._alone(request):
+                self._on_token(request, token, message.step_started_at)
+
+    def _on_token(self, request: InflightRequest, token: TokenOut, step_started_at: float) -> None:
+        clock = request.clock
+        if not clock.first_step_started_at:  # its first decode step
+            clock.first_step_started_at, clock.first_step_received_at = step_started_at, time.time()
+            metrics.observe(metrics.KV_HANDOFF, step_started_at - clock.kv_ready_at)
+        event = TokenEvent(token.token_id, token.finish_reason)
+        if token.finish_reason is not None:
+            self._end(request, event)
+        else:
+            request.deadline = time.monotonic() + self.settings.decode_token_timeout_s
+            request.events.put_nowait(event)
 
     def _on_failed(self, peer: Peer, message: Failed) -> None:
         sender = peer.worker
@@ -304,4 +336,5 @@ class TokenRouter:
             self._release_handoff(message.request_id)  # a decode that failed will never pull it
         request = self.requests.get(message.request_id)
         if request is not None and request.holder() is sender:
-            self._fail(request, message.code, message.message, sender)
+            with self._alone(request):
+                self._fail(request, message.code, message.message, sender)

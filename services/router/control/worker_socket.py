@@ -2,8 +2,11 @@
 and in, and the loop that hands each decoded message on with who sent it.
 
 A send to a connection that is gone (ROUTER_MANDATORY) does not raise to the sender: the worker
-joins `unreachable`, which membership drops once the handler that sent is done. A frame that does
-not decode is dropped here; when it claims another protocol version, its sender hears Refused.
+joins `unreachable`, which membership drops once the handler that sent is done. A message that
+does not encode (wire.EncodeError) does raise to the sender: it concerns the request the sender
+handles, which fails alone (token_router.py). A frame that does not decode is dropped here; when it
+claims another protocol version, its sender hears Refused. The receive loop outlives a frame whose
+handling raises (shared/runtime/tasks.py, LoopGuard).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from shared.config import RouterConfig
 from shared.control import wire
 from shared.control.curve import CurveServer, secure_server
 from shared.control.messages import PROTOCOL_VERSION, Refused
+from shared.runtime.tasks import LoopGuard
 
 log = structlog.get_logger()
 
@@ -57,6 +61,8 @@ class WorkerSocket:
         self._context.term()
 
     def send(self, worker: WorkerRecord, message: object) -> None:
+        """Raises wire.EncodeError for a message that does not encode; a connection that is gone
+        only marks the worker unreachable."""
         try:
             self._sender.send_multipart([worker.identity, wire.encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is gone (ROUTER_MANDATORY)
@@ -71,21 +77,26 @@ class WorkerSocket:
             pass
 
     async def receive_loop(self, on_message: OnMessage) -> None:
+        guard = LoopGuard("worker socket")
         while True:
             frames = await self._socket.recv_multipart(copy=False)
-            if len(frames) != 2:
-                log.warning("dropped frame with unexpected envelope", parts=len(frames))
-                continue
-            identity, payload = frames[0].bytes, frames[1].bytes
-            try:
-                message = wire.decode(payload)
-            except wire.WireError as exc:
-                log.warning("dropped malformed frame", error=str(exc), size=len(payload), peer=identity[:64])
-                version = wire.claimed_protocol_version(payload)
-                if version is not None and version != PROTOCOL_VERSION:
-                    self.reply(identity, Refused(version_refusal(version)))
-                continue
-            on_message(message, identity, self._user_id(frames[1]))
+            with guard.iteration():
+                self._receive(frames, on_message)
+
+    def _receive(self, frames: list[zmq.Frame], on_message: OnMessage) -> None:
+        if len(frames) != 2:
+            log.warning("dropped frame with unexpected envelope", parts=len(frames))
+            return
+        identity, payload = frames[0].bytes, frames[1].bytes
+        try:
+            message = wire.decode(payload)
+        except wire.WireError as exc:
+            log.warning("dropped malformed frame", error=str(exc), size=len(payload), peer=identity[:64])
+            version = wire.claimed_protocol_version(payload)
+            if version is not None and version != PROTOCOL_VERSION:
+                self.reply(identity, Refused(version_refusal(version)))
+            return
+        on_message(message, identity, self._user_id(frames[1]))
 
     def _user_id(self, frame: zmq.Frame) -> str | None:
         """The CURVE key the frame came with (the ZAP User-Id); None on ipc://, which has no keys."""
