@@ -142,6 +142,26 @@ def test_the_merge_kernel_on_the_gpu():
     torch.testing.assert_close(merged, expected, atol=2 ** -5, rtol=0)  # one bf16 ulp below 8
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_the_gpu_prefill_in_chunks_after_a_cached_prefix_follows_the_cpu_path():
+    """The whole GPU prefill (fused Triton layers, cuDNN whole and split) of a bf16 model, in chunks
+    after a cached prefix, against the float32 CPU path on the same weights: within bf16's reach."""
+    from shared.kv.pool import allocate_local_pool
+    from shared.model.llama import PagedLlama
+    from shared.model.presets import random_hf_model
+
+    hf = random_hf_model("random:llama-tiny", torch.float32, "cpu")
+    prompt, pages = list(range(5, 305)), list(range(19))
+    logits = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        model = PagedLlama.from_hf(hf.to(device, dtype), device)
+        pool = allocate_local_pool(model.kv_layout(20, 16), device)[0]
+        model.prefill(prompt[:64] + [1], pool, pages[:5])
+        logits[device] = model.prefill(prompt, pool, pages, chunk_tokens=96, start=64).float().cpu()
+    assert (logits["cuda"] - logits["cpu"]).abs().max() <= 0.05 * logits["cpu"].abs().max()
+
+
 def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA's math backend in float32, the bottom-right causal mask spelled out."""
     length, context = q.shape[0], k.shape[0]

@@ -11,13 +11,14 @@ CHUNK tokens (0: whole), three ways in one run:
   (attention.allow_split(False)): what the fused kernels and the layer-by-layer staging change alone;
 - chosen: the prefill now.
 Each is the median of --repeats runs after one warm-up (fewer for long prompts: --long-repeats),
-beside the bound: the prompt's matmul FLOPs (linear layers plus causal attention,
+with its last-position logits beside today's, and beside the bound: the prompt's matmul FLOPs (linear layers plus causal attention,
 loadtest/lib/model_costs.py) at the bf16 matmul rate measured in the same run. The 8K prompt's
 target is at most 190 ms.
 
 For the chosen way, where its time goes:
 - linears_alone: the prompt's matmuls (each layer's four per chunk) timed by themselves: their time,
-  their share of the prefill and their rate against the matmul rate (target: at least 0.85);
+  their share of the prefill and their rate against the matmul rate (target: at least 0.85), also
+  with cuBLASLt preferred;
 - attention_alone: the prompt's attention calls (each chunk after its earlier keys), by themselves;
 - rest_ms: the prefill less those two (norms, RoPE and the KV write, SiLU, the merge, host gaps);
 - issue_ms: how long the host took to issue the whole prefill, against wall_ms until it finished
@@ -95,7 +96,25 @@ def chunks_of(tokens: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def linears_alone(model: PagedLlama, tokens: int, chunk: int, prefill_ms: float, rate: float) -> dict:
-    """Each layer's four matmuls per chunk, on layer 0's weights, timed by themselves."""
+    """Each layer's four matmuls per chunk, on layer 0's weights, timed by themselves; again with
+    cuBLASLt preferred (PyTorch's other BLAS path), in case its kernels suit these shapes better."""
+    flops = linear_flops(model, tokens)
+    total_ms = linear_layers_ms(model, tokens, chunk)
+    result = {"ms": total_ms, "share_of_prefill": total_ms / prefill_ms, "tflops": flops / (total_ms / 1e3) / 1e12,
+              "fraction_of_matmul_rate": flops / (total_ms / 1e3) / 1e12 / rate}
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        cublaslt_ms = linear_layers_ms(model, tokens, chunk)
+    except RuntimeError as exc:  # a build without cuBLASLt
+        return result | {"cublaslt": f"refused: {exc}"}
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+    return result | {"cublaslt_ms": cublaslt_ms,
+                     "cublaslt_fraction_of_matmul_rate": flops / (cublaslt_ms / 1e3) / 1e12 / rate}
+
+
+def linear_layers_ms(model: PagedLlama, tokens: int, chunk: int) -> float:
     layer = model.layers[0]
     total_ms = 0.0
     for _, length in chunks_of(tokens, chunk):
@@ -109,9 +128,7 @@ def linears_alone(model: PagedLlama, tokens: int, chunk: int, prefill_ms: float,
             F.linear(x, layer.gate_up)
             F.linear(act, layer.down)
         total_ms += quantile(cuda_time_ms(one_layer, 5), 0.5) * model.num_layers
-    tflops = linear_flops(model, tokens) / (total_ms / 1e3) / 1e12
-    return {"ms": total_ms, "share_of_prefill": total_ms / prefill_ms, "tflops": tflops,
-            "fraction_of_matmul_rate": tflops / rate}
+    return total_ms
 
 
 def attention_alone(model: PagedLlama, tokens: int, chunk: int, prefill_ms: float, rate: float) -> dict:
@@ -168,6 +185,12 @@ def kernel_kind(name: str) -> str:
     return "matmul" if any(word in lowered for word in MATMUL_KERNELS) else "other"
 
 
+def logits_difference(logits: torch.Tensor, baseline: torch.Tensor) -> dict:
+    """How far a way's last-position logits are from today's: bf16 rounding, not a different model."""
+    return {"max_abs_diff": (logits - baseline).abs().max().item(), "max_abs_logit": baseline.abs().max().item(),
+            "same_argmax": bool(logits.argmax() == baseline.argmax())}
+
+
 def bench_prompt(model: PagedLlama, pool, tokens: int, chunk: int, repeats: int, rate: float) -> dict:
     ids = torch.randint(0, model.vocab_size, (tokens,)).tolist()
     pages = list(range(pages_for(tokens, PAGE_SIZE)))
@@ -175,12 +198,15 @@ def bench_prompt(model: PagedLlama, pool, tokens: int, chunk: int, repeats: int,
     result = {"tokens": tokens, "chunk_tokens": chunk, "bound_ms": bound_ms,
               "linear_bound_ms": linear_flops(model, tokens) / (rate * 1e12) * 1e3,
               "attention_bound_ms": attention_flops(model, tokens) / (rate * 1e12) * 1e3}
+    logits = {}
     for name, run in ways(model, pool, chunk).items():
         torch.cuda.reset_peak_memory_stats()
-        ms = quantile(cuda_time_ms(lambda: run(ids, pages), repeats, warmup=1), 0.5)
+        ms = quantile(cuda_time_ms(lambda: logits.update({name: run(ids, pages)}), repeats, warmup=1), 0.5)
         result[name] = {"ms_p50": ms, "over_bound": ms / bound_ms,
                         "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB}
         print(f"{tokens}:{chunk} {name} {ms:.1f} ms (bound {bound_ms:.1f})", file=sys.stderr)
+    for name in ("fused_masked", "chosen"):
+        result[name]["logits_vs_today"] = logits_difference(logits[name], logits["today"])
     chosen_ms = result["chosen"]["ms_p50"]
     run = ways(model, pool, chunk)["chosen"]
     result["chosen"] |= {

@@ -23,7 +23,9 @@ _TILE = 4096
 
 if triton is not None:
 
-    @triton.jit
+    # The log-sum-exps' head strides are the chunk's length: specialized, a length that is not a
+    # multiple of 16 would compile the kernel again during a request, holding the GIL for a second.
+    @triton.jit(do_not_specialize=["stride_lah", "stride_lbh"])
     def _merge_kernel(
         a_ptr, b_ptr, lse_a_ptr, lse_b_ptr, out_ptr, heads, head_dim,
         stride_at, stride_ah, stride_bt, stride_bh,
