@@ -1,35 +1,54 @@
-"""The prefill's causal attention, one layer of the 8B shape, by every SDPA backend the device has (JSON on stdout).
+"""The prefill's causal attention, one layer of the 8B shape, each way the device has, side by side (JSON on stdout).
 
-    python -m loadtest.engine.bench_prefill_attention [--tokens 8192,32768,131072] [--after 0,122880] [--out FILE]
+    python -m loadtest.engine.bench_prefill_attention [--cases 8192@0,32768@0,8192@57344,32768@122880,32768@491520]
+        [--repeats 5] [--out FILE]
 
-Two cases, each per --tokens T:
-- a whole prompt (or its first chunk): T queries on their own T keys, causal from the top left;
-- a later chunk: T queries after --after keys already in the pages (a cached prefix or the
-  earlier chunks), causal from the bottom right, as shared/model/attention.py asks for it.
-Backends, one at a time under torch.nn.attention.sdpa_kernel: flash (with GQA), cuDNN and
-memory-efficient (their KV heads repeated when they refuse GQA). A backend that refuses a case
-is reported with its reason, not left out. Each time is the mean of --repeats calls after 3
-warm-ups, beside the time at the bf16 matmul rate measured in the same run (the FLOPs of causal
-attention at that rate: the bound), and each output's largest difference from the math
-backend's on a short prompt (exact enough?).
+A case T@B is T queries after B keys already in the pages: B = 0 a whole prompt (or its first
+chunk), causal from the top left; B > 0 a later chunk, or a chunk after a cached prefix, causal
+from the bottom right. The ways, each timed as the mean of --repeats calls after 3 warm-ups, beside
+the bound: this attention's FLOPs at the bf16 matmul rate measured in the same run:
+- today: shared/model/attention.py's masked_attention, the one SDPA call the prefill made until
+  now, on whatever backend SDPA picks (sdpa_default names it for a whole prompt; with the
+  bottom-right mask PyTorch goes to flash);
+- flash, cudnn_whole: the same call held to SDPA's flash or cuDNN backend (cuDNN takes the
+  bottom-right mask materialized, skipped above --max-mask-gib);
+- cudnn_split, cudnn_split_stacked: shared/model/split_attention.py, cuDNN reading the grouped KV
+  heads itself, or the query heads of each group stacked along the sequence;
+- chosen: attention.prefill_attention, what the prefill runs now.
+Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
+its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
+after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE (split_attention sets 1 unless the environment
+sets it) is in the report: run once with =0 to compare.
+
+For a later chunk, what its layer's earlier K/V cost to read: the gather from scattered pages that
+each chunk made until now (bf16 pages; int8 pages dequantized), against what the prefill does now,
+writing the chunk's own K/V into the contiguous staging (shared/kv/prompt_kv.py); and that gather
+summed over a 512K-token prompt in 32K chunks, 32 layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
-from loadtest.lib.device_rates import cuda_time_ms, matmul_tflops
+from loadtest.lib.device_rates import GIB, cuda_time_ms, matmul_tflops
 from loadtest.lib.report import emit
+from shared.kv.pool import allocate_local_pool, make_layout
+from shared.kv.prompt_kv import PromptKv
+from shared.model import attention, split_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
-CHECK_TOKENS = 1024
+SCALE = HEAD_DIM ** -0.5
+LAYERS = 32
+CHECK_QUERIES, CHECK_BEFORE = 1024, 3072
+PAGE_SIZE = 16
+DEVICE = "cuda"
+LONG_PROMPT, LONG_CHUNK = 524288, 32768
 
 
 def attention_flops(queries: int, before: int) -> float:
@@ -38,72 +57,162 @@ def attention_flops(queries: int, before: int) -> float:
     return 4 * HEADS * HEAD_DIM * seen
 
 
-def inputs(queries: int, before: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, HEADS, queries, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
-    k, v = (torch.randn(1, KV_HEADS, before + queries, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+def inputs(queries: int, before: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k/v [B + T, KVH, D] as the prefill hands them over, bf16."""
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(before + queries, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16,
                         generator=generator) for _ in range(2))
     return q, k, v
 
 
-def attend(backend: SDPBackend | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           repeat_kv: bool) -> torch.Tensor:
-    queries, keys = q.shape[2], k.shape[2]
-    mask = {"is_causal": True} if queries == keys else {"attn_mask": causal_lower_right(queries, keys)}
-    if repeat_kv:
-        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
-    gqa = {} if repeat_kv else {"enable_gqa": True}
-    if backend is None:
-        return F.scaled_dot_product_attention(q, k, v, **mask, **gqa)
-    with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, **mask, **gqa)
+def held_to(backend: SDPBackend):
+    def call(q, k, v):
+        with sdpa_kernel(backend):
+            return attention.masked_attention(q, k, v, SCALE)
+    return call
 
 
-def run_backend(name: str, queries: int, before: int, repeats: int, rate_tflops: float) -> dict:
-    backend = BACKENDS[name]
+def split(modes: tuple[str, str]):
+    def call(q, k, v):
+        forced = modes if k.shape[0] > q.shape[0] else (None, modes[1])
+        return split_attention.split_attention(q, k, v, SCALE, forced)
+    return call
+
+
+WAYS = {
+    "today": lambda q, k, v: attention.masked_attention(q, k, v, SCALE),
+    "flash": held_to(SDPBackend.FLASH_ATTENTION),
+    "cudnn_whole": held_to(SDPBackend.CUDNN_ATTENTION),
+    "cudnn_split": split((split_attention.GQA_NATIVE, split_attention.GQA_NATIVE)),
+    "cudnn_split_stacked": split((split_attention.GQA_STACKED, split_attention.GQA_STACKED)),
+    "chosen": lambda q, k, v: attention.prefill_attention(q, k, v, SCALE),
+}
+
+
+def run_way(name: str, queries: int, before: int, repeats: int, rate_tflops: float, max_mask_gib: float) -> dict:
+    mask_gib = 3 * queries * (before + queries) / GIB  # bool, then bf16
+    if name == "cudnn_whole" and before and mask_gib > max_mask_gib:
+        return {"skipped": f"the materialized mask would take {mask_gib:.1f} GiB"}
+    fn = WAYS[name]
     q, k, v = inputs(queries, before)
-    for repeat_kv in (False, True):  # GQA as is first; repeated KV heads where the backend needs them
-        try:
-            times = cuda_time_ms(lambda: attend(backend, q, k, v, repeat_kv), repeats)
-        except RuntimeError as exc:
-            reason = str(exc).splitlines()[0]
-            continue
-        mean_ms = sum(times) / len(times)
-        bound_ms = attention_flops(queries, before) / (rate_tflops * 1e12) * 1e3
-        return {"ms": round(mean_ms, 3), "tflops": round(attention_flops(queries, before) / mean_ms / 1e9, 1),
-                "bound_ms": round(bound_ms, 3), "kv_heads_repeated": repeat_kv,
-                "max_abs_diff_vs_math": max_diff(backend, before > 0, repeat_kv)}
-    return {"refused": reason}
+    try:
+        first_ms = first_call_ms(lambda: fn(q, k, v))
+        times = cuda_time_ms(lambda: fn(q, k, v), repeats)
+    except RuntimeError as exc:
+        return {"refused": str(exc).splitlines()[0]}
+    mean_ms = sum(times) / len(times)
+    flops = attention_flops(queries, before)
+    bound_ms = flops / (rate_tflops * 1e12) * 1e3
+    return {"ms": round(mean_ms, 3), "tflops": round(flops / mean_ms / 1e9, 1),
+            "fraction_of_matmul_rate": round(bound_ms / mean_ms, 3), "bound_ms": round(bound_ms, 3),
+            "first_call_ms": round(first_ms, 1), "max_abs_diff_vs_math": max_diff(fn, queries, before)}
 
 
-def max_diff(backend: SDPBackend, after_context: bool, repeat_kv: bool) -> float:
-    q, k, v = inputs(CHECK_TOKENS, CHECK_TOKENS if after_context else 0)
-    reference = attend(SDPBackend.MATH, q.float(), k.float(), v.float(), repeat_kv=True)
-    return (attend(backend, q, k, v, repeat_kv).float() - reference).abs().max().item()
+def first_call_ms(fn) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3
+
+
+def max_diff(fn, queries: int, before: int) -> float:
+    q, k, v = inputs(min(queries, CHECK_QUERIES), min(before, CHECK_BEFORE), seed=1)
+    return (fn(q, k, v).float() - math_backend(q, k, v)).abs().max().item()
+
+
+def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    length, context = q.shape[0], k.shape[0]
+    seen = torch.arange(context, device=DEVICE)[None, :] <= torch.arange(length, device=DEVICE)[:, None] + (
+        context - length)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in (q, k, v)), attn_mask=seen,
+                                             scale=SCALE, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def sdpa_default(queries: int) -> str:
+    """The backend SDPA itself picks for a whole causal prompt of this length."""
+    q, k, v = (x.transpose(0, 1)[None] for x in inputs(queries, 0))
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)).name
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return f"unknown: {exc}"
+
+
+def reading_earlier_kv(queries: int, before: int, pools: dict, repeats: int) -> dict:
+    """One layer's cost, in ms: today's gather of the context from the pages, against the staging write."""
+    staged = PromptKv(before + queries, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device(DEVICE))
+    _, own_k, own_v = inputs(queries, 0)
+    pages = pools["page_order"][: -(-(before + queries) // PAGE_SIZE)]
+    mean = lambda fn: sum(cuda_time_ms(fn, repeats)) / repeats  # noqa: E731
+    return {
+        "gather_bf16_ms": mean(lambda: staged.load_prefix(pools["bfloat16"], 0, pages, before + queries)),
+        "gather_int8_ms": mean(lambda: (staged.load_prefix(pools["int8"], 0, pages, before),
+                                        staged.write(before, own_k, own_v))),
+        "staging_write_ms": mean(lambda: staged.write(before, own_k, own_v)),
+    }
+
+
+def one_layer_pools(tokens: int) -> dict:
+    """A bf16 and an int8 pool of one layer holding `tokens`, and a random order of their pages."""
+    pages = -(-tokens // PAGE_SIZE)
+    pools = {"page_order": torch.randperm(pages, device=DEVICE)}
+    for dtype, storage in (("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        pools[dtype] = allocate_local_pool(make_layout(1, pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, storage), DEVICE)[0]
+    return pools
+
+
+def long_prompt_gather_s(per_token_ms: float) -> float:
+    """The gather summed over a LONG_PROMPT in LONG_CHUNK chunks, every layer: chunk c read c chunks."""
+    chunks = LONG_PROMPT // LONG_CHUNK
+    return per_token_ms * LONG_CHUNK * chunks * (chunks + 1) / 2 * LAYERS / 1e3
+
+
+def run(args) -> dict:
+    rate = matmul_tflops()
+    cases = [tuple(int(n) for n in case.split("@")) for case in args.cases.split(",")]
+    later = [(t, b) for t, b in cases if b]
+    pools = one_layer_pools(max(t + b for t, b in later)) if later else None
+    report_cases = []
+    for queries, before in cases:
+        case = {"queries": queries, "keys_before": before}
+        if not before:
+            case["sdpa_default"] = sdpa_default(queries)
+        for name in WAYS:
+            case[name] = run_way(name, queries, before, args.repeats, rate, args.max_mask_gib)
+            torch.cuda.empty_cache()
+        if before:
+            case["reading_earlier_kv_per_layer"] = reading_earlier_kv(queries, before, pools, args.repeats)
+        report_cases.append(case)
+    report = {"benchmark": "prefill attention, one layer", "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "avoid_recompile": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
+              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+              "matmul_tflops": round(rate, 1), "cases": report_cases}
+    if later:
+        queries, before = max(later, key=sum)
+        reading = next(c for c in report_cases if (c["queries"], c["keys_before"]) == (queries, before))
+        per_token = {kind: reading["reading_earlier_kv_per_layer"][f"gather_{kind}_ms"] / (queries + before)
+                     for kind in ("bf16", "int8")}
+        report[f"gather_over_a_{LONG_PROMPT}_token_prompt_in_{LONG_CHUNK}_chunks_s"] = {
+            kind: round(long_prompt_gather_s(ms), 2) for kind, ms in per_token.items()}
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="8192,32768,131072")
-    parser.add_argument("--after", default="0,122880", help="keys already in the pages before the queries")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cases", default="8192@0,32768@0,8192@57344,32768@122880,32768@491520",
+                        help="QUERIES@KEYS_BEFORE, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-mask-gib", type=float, default=4.0,
+                        help="cudnn_whole's materialized bottom-right mask above this is skipped")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    rate = matmul_tflops()
-    cases = []
-    for before in (int(a) for a in args.after.split(",")):
-        for queries in (int(t) for t in args.tokens.split(",")):
-            case = {"queries": queries, "keys_before": before}
-            for name in BACKENDS:
-                case[name] = run_backend(name, queries, before, args.repeats, rate)
-                torch.cuda.empty_cache()
-            cases.append(case)
-    emit({"benchmark": "prefill attention, one layer", "device": torch.cuda.get_device_name(),
-          "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-          "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-          "matmul_tflops": round(rate, 1), "cases": cases}, args.out)
+    emit(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,19 @@ def weight_bytes_per_step(model: PagedLlama) -> int:
 
 
 def prefill_flops(model: PagedLlama, tokens: int) -> float:
-    """Matmul FLOPs of a prompt: 2 * params per token for the linears, plus causal attention."""
+    """Matmul FLOPs of a prompt: the linear layers' and the causal attention's."""
+    return linear_flops(model, tokens) + attention_flops(model, tokens)
+
+
+def linear_flops(model: PagedLlama, tokens: int) -> float:
+    """2 * params per token for every layer's linears, plus the lm_head for the last position."""
     linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
-    attention = 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
-    return 2 * linear * tokens + 2 * model.lm_head.numel() + attention
+    return 2 * linear * tokens + 2 * model.lm_head.numel()
+
+
+def attention_flops(model: PagedLlama, tokens: int) -> float:
+    """QK^T and PV of causal attention over a prompt, every layer: each query sees half the prompt."""
+    return 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
 
 
 def kv_token_bytes(model: PagedLlama, kv_dtype: str, page_size: int) -> int:

@@ -34,7 +34,8 @@ import torch
 
 from loadtest.lib.device_rates import copy_bandwidth_gbs, matmul_tflops
 from loadtest.lib.generate_client import StreamRecord, generate_or_raise
-from loadtest.lib.model_costs import kv_token_bytes, model_shape, prefill_flops, weight_bytes_per_step
+from loadtest.lib.model_costs import (attention_flops, kv_token_bytes, linear_flops, model_shape, prefill_flops,
+                                     weight_bytes_per_step)
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
@@ -107,9 +108,12 @@ async def one_prompt(address: str, prompt: list[int], output_tokens: int, timeou
 
 
 def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, tflops: float) -> dict:
+    """The TTFT beside the bound, and the bound's two parts: at 512K the causal attention is most of it."""
     flops = prefill_flops(model, tokens)
     bound_s = flops / (tflops * 1e12)
     return {"ttft_s": record.ttft_s, "stage_timings_s": record.timings, "flops": flops, "bound_s": bound_s,
+            "linear_bound_s": linear_flops(model, tokens) / (tflops * 1e12),
+            "attention_bound_s": attention_flops(model, tokens) / (tflops * 1e12),
             "ttft_over_bound": record.ttft_s / bound_s,
             "prefill_compute_over_bound": record.timings["prefill_compute_s"] / bound_s if record.timings else None}
 

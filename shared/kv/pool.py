@@ -135,22 +135,6 @@ class PagedKvPool:
             self.kv[shard][pages, offsets] = values
             self.scales[shard][pages, offsets] = scales
 
-    def context(self, layer: int, pages: torch.Tensor, start: int, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [start + T, kv_heads, head_dim] of a sequence whose tokens from `start` on are a
-        chunk's k, v [T, ...], just written to its pages (listed in order, at least up to the chunk's
-        end): the earlier tokens' read from the pages, dequantized where the pool is quantized; the
-        chunk's own as computed, which unquantized pages hold exactly, so one gather reads them all."""
-        end = start + len(k)
-        if self.scales is None:
-            return self.key(layer)[pages].flatten(0, 1)[:end], self.value(layer)[pages].flatten(0, 1)[:end]
-        joined = []
-        for shard, own in ((2 * layer, k), (2 * layer + 1, v)):
-            values = self.kv[shard][pages].flatten(0, 1)[:start]
-            scales = self.scales[shard][pages].flatten(0, 1)[:start]
-            joined.append(torch.cat((kv_quant.dequantize(values, scales, own.dtype), own)))
-        return joined[0], joined[1]
-
     def shards(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(0))
 

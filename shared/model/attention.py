@@ -1,11 +1,15 @@
 """Attention over the paged pool.
 
-prefill_attention: causal attention over a prompt chunk's contiguous K/V (flash attention via
-SDPA where the device has it); a later chunk also sees the earlier chunks' K/V, with the causal
-mask aligned to the bottom right. paged_decode_attention: one new token per sequence against
-its pages; on a GPU the Triton kernel reads the pages in place and dequantizes quantized ones in
-registers (shared/kernels/paged_attention_triton.py); on the CPU the pages are gathered and
-dequantized, which is cheap for the CPU's small contexts.
+prefill_attention: a prompt chunk's causal attention over contiguous K/V, its own and any earlier
+chunks' or cached prefix's before them (causal from the bottom right). On a GPU it goes through
+cuDNN, a chunk after earlier keys split in two and merged by log-sum-exp
+(shared/model/split_attention.py); where cuDNN cannot run a part (float32, a single key) and on
+the CPU, through SDPA with the bottom-right mask (masked_attention).
+
+paged_decode_attention: one new token per sequence against its pages; on a GPU the Triton kernel
+reads the pages in place and dequantizes quantized ones in registers
+(shared/kernels/paged_attention_triton.py); on the CPU the pages are gathered and dequantized,
+which is cheap for the CPU's small contexts.
 """
 
 from __future__ import annotations
@@ -15,10 +19,27 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from shared.kernels import kv_quant, paged_attention_triton
+from shared.model import split_attention
+
+_split_allowed = True
+
+
+def allow_split(allowed: bool) -> None:
+    """Switches the GPU's cuDNN split off or on for later calls (benchmarks compare it with the masked SDPA)."""
+    global _split_allowed
+    _split_allowed = allowed
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D]."""
+    modes = split_attention.gqa_modes(q, k, v) if q.is_cuda and _split_allowed else None
+    if modes is None:
+        return masked_attention(q, k, v, scale)
+    return split_attention.split_attention(q, k, v, scale, modes)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same through one SDPA call, whichever backend it picks, with the bottom-right causal mask."""
     length, context = q.shape[0], k.shape[0]
     mask = {"is_causal": True} if context == length else {"attn_mask": causal_lower_right(length, context)}
     out = F.scaled_dot_product_attention(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from shared.control.messages import KvLayout
 from shared.kernels import fused_triton, kv_quant
 from shared.kv.pool import PagedKvPool, make_layout
+from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
 from shared.model.linear_choice import LinearChooser
 
@@ -109,6 +110,8 @@ class PagedLlama:
         # float8_e4m3 pages on a GPU: q and the probabilities in e4m3 too, both attention products on
         # FP8 tensor cores (shared/kernels/paged_attention_triton.py); benchmarks compare it.
         self.fp8_query = False
+        # The prefill's fused Triton kernels run on the GPU (tests run them on the CPU, interpreted).
+        self.fused_prefill = self.device.type == "cuda"
 
     @classmethod
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
@@ -152,56 +155,73 @@ class PagedLlama:
                 chunk_tokens: int = 0, after_chunk: Callable[[], None] | None = None, start: int = 0) -> torch.Tensor:
         """Runs one prompt, writes its KV into page_ids, returns the last position's logits [V].
 
-        With chunk_tokens > 0 the prompt goes through in chunks of that many tokens, so
-        activation memory stays bounded for long prompts; each chunk attends to the earlier
-        chunks' K/V read back from the pages. after_chunk runs once each chunk is issued (the
-        worker's liveness: a long prompt is progress, chunk by chunk). start: the KV of the first
-        `start` tokens is already in the pages (a cached prefix), so only the rest is computed,
-        attending to it as a later chunk does; at least the last token is computed, for its logits.
-        With quantized pages (kv.dtype int8 or float8_e4m3) a chunk attends to its own K/V as
-        computed and to the earlier tokens' as the pages hold them, dequantized, as the decode does.
+        The prompt runs layer by layer, each layer over it in chunks of chunk_tokens (0: all at
+        once), so activation memory stays bounded for long prompts: beside one chunk's activations
+        only the residual stream of every position and one layer's K/V of the prompt
+        (shared/kv/prompt_kv.py) are kept, and a chunk's attention reads the earlier chunks' K/V
+        there, in place. after_chunk runs once each chunk of a layer is issued (the worker's
+        liveness: a long prompt is progress, chunk by chunk). start: the KV of the first `start`
+        tokens is already in the pages (a cached prefix), so only the rest is computed, attending to
+        it as a later chunk does; at least the last token is computed, for its logits. With
+        quantized pages (kv.dtype int8 or float8_e4m3) the prompt attends to its own K/V as computed
+        and to a cached prefix's as the pages hold them, dequantized, as the decode does.
         """
         if not 0 <= start < len(token_ids):
             raise ValueError(f"start {start} must leave at least one of the {len(token_ids)} tokens to compute")
         chunk = chunk_tokens if chunk_tokens > 0 else len(token_ids) - start
-        ids = torch.tensor(token_ids, device=self.device)
         pages = torch.tensor(page_ids, device=self.device)
-        for begin in range(start, len(token_ids), chunk):
-            x = self._prefill_chunk(ids[begin:begin + chunk], begin, pool, pages)
-            if after_chunk is not None:
-                after_chunk()
-        return self._logits(x[-1:])[0]
-
-    def _prefill_chunk(self, ids: torch.Tensor, start: int, pool: PagedKvPool, pages: torch.Tensor) -> torch.Tensor:
-        page_size = pool.layout.page_size
-        end = start + len(ids)
-        positions = torch.arange(start, end, device=self.device)
-        chunk_pages, offsets = pages[positions // page_size], positions % page_size
-        x = self.embed[ids]
+        positions = torch.arange(start, len(token_ids), device=self.device)
+        slots = pages[positions // pool.layout.page_size], positions % pool.layout.page_size
+        hidden = self.embed[torch.tensor(token_ids[start:], device=self.device)]
+        staged = PromptKv(len(token_ids), self.num_kv_heads, self.head_dim, hidden.dtype, self.device)
+        layer_chunk = self._layer_chunk_fused if self.fused_prefill else self._layer_chunk
         for i, layer in enumerate(self.layers):
-            if pool.scales is not None and self.device.type == "cuda":
-                q, k, v = self._rope_write_kv(layer, x, positions, pool, i, chunk_pages, offsets)
-            else:
-                q, k, v = self._qkv(layer, x, positions)
-                pool.write(i, chunk_pages, offsets, k, v)
-            if start > 0:  # earlier chunks or a cached prefix: theirs from the pages, up to the chunk's end
-                k, v = pool.context(i, pages[: -(-end // page_size)], start, k, v)
-            out = attention.prefill_attention(q, k, v, self.scale)
-            x = x + F.linear(out.reshape(len(ids), -1), layer.o_proj)
-            x = self._mlp_block(layer, x)
-        return x
+            if start > 0:
+                staged.load_prefix(pool, i, pages[: -(-start // pool.layout.page_size)], start)
+            for begin in range(0, len(hidden), chunk):
+                rows = slice(begin, begin + chunk)
+                layer_chunk(layer, i, hidden[rows], start + begin, positions[rows],
+                            (slots[0][rows], slots[1][rows]), pool, staged)
+                if after_chunk is not None:
+                    after_chunk()
+        return self._logits(hidden[-1:])[0]
 
-    def _rope_write_kv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
-                       layer_index: int, pages: torch.Tensor, offsets: torch.Tensor):
-        """A GPU prefill chunk's q, k, v as _qkv computes them, with K and V quantized into the pages
-        by the same Triton kernel as the RoPE, as the decode writes them."""
-        qkv = F.linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
-        k = torch.empty((len(x), self.num_kv_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
-        q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(layer_index),
-                                       pool.value(layer_index), pages, offsets, self.num_heads, self.num_kv_heads,
-                                       self.head_dim, pool.key_scale(layer_index), pool.value_scale(layer_index), k)
+    def _layer_chunk(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int, positions: torch.Tensor,
+                     slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool, staged: PromptKv) -> None:
+        """Layer `index` over the chunk of positions begin onwards, whose rows of the residual stream
+        x it overwrites with its output; the chunk's K/V go to its pages' slots and to staged."""
+        end = begin + len(x)
+        q, k, v = self._qkv(layer, x, positions)
+        pool.write(index, *slots, k, v)
+        staged.write(begin, k, v)
+        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
+        x.copy_(self._mlp_block(layer, x + F.linear(out.reshape(len(x), -1), layer.o_proj)))
+
+    def _layer_chunk_fused(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
+                           positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
+                           staged: PromptKv) -> None:
+        """The same with the GPU's fused Triton kernels between the matmuls, as the decode step has
+        them (RMSNorm with the residual add, RoPE with the KV write, SiLU with the gate product):
+        between two matmuls one pass over the activations instead of several."""
+        end = begin + len(x)
+        q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
+        staged.v[begin:end] = v
+        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
+        attn = F.linear(out.reshape(len(x), -1), layer.o_proj)
+        hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
+        mlp = F.linear(fused_triton.silu_and_mul(F.linear(hidden, layer.gate_up)), layer.down)
+        torch.add(residual, mlp, out=x)
+
+    def _fused_qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
+                   index: int, pages: torch.Tensor, offsets: torch.Tensor, k_out: torch.Tensor):
+        """A chunk's q and v as _qkv computes them, its rotated k written to k_out; K and V go to the
+        pages (quantized where they are) in the same Triton kernel as the RoPE, as the decode writes them."""
+        qkv = F.linear(fused_triton.rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias)
+        q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index),
+                                       pages, offsets, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       pool.key_scale(index), pool.value_scale(index), k_out)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(len(x), self.num_kv_heads, self.head_dim)
-        return q, k, v
+        return q, v
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
