@@ -111,17 +111,39 @@ class RouterConfig:
     # gRPC over TLS: a PEM certificate chain and its private key, both or neither; empty: plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
-    # Every call but health checks must carry `authorization: Bearer <token>`: the token is the
-    # content of auth_token_file, or auth_token (set it as PDSERVE_ROUTER_AUTH_TOKEN: a flag
-    # shows in `ps`). Both empty: no token.
+    # Every call but health checks must carry `authorization: Bearer <token>`: a token of
+    # auth_token_file, or auth_token (set it as PDSERVE_ROUTER_AUTH_TOKEN: a flag shows in `ps`).
+    # Both empty: no token. The file holds one token per line, each optionally followed by a
+    # cache salt (`TOKEN` or `TOKEN SALT`; # starts a comment line): the calls of a token with a
+    # salt share prefix-cache pages only with calls of that same salt (README.md, Security).
     auth_token_file: str = ""
     auth_token: str = ""
+    # Admin calls (Drain, which stops a worker) take a token of their own, never the one above:
+    # `authorization: Bearer <the content of this file>`. Empty: Admin refuses every call with
+    # PERMISSION_DENIED. `make run` (services.stack) leaves none empty: it writes a random token
+    # into the runtime folder (shared/runtime/admin_token.py), where `pdserve drain` finds it.
+    admin_token_file: str = ""
 
     def zmq_endpoint(self) -> str:
         return self.zmq_address or f"ipc://{self.runtime_dir}/router.ipc"
 
-    def bearer_token(self) -> str:
-        return Path(self.auth_token_file).read_text().strip() if self.auth_token_file else self.auth_token.strip()
+    def bearer_tokens(self) -> dict[str, str]:
+        """Each token a call may carry, with the cache salt of its calls ("" for none)."""
+        if not self.auth_token_file:
+            return {self.auth_token.strip(): ""} if self.auth_token.strip() else {}
+        tokens: dict[str, str] = {}
+        for number, line in enumerate(Path(self.auth_token_file).read_text().splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) > 2 or fields[0] in tokens:
+                raise ConfigError(f"router.auth_token_file {self.auth_token_file}, line {number}: give `TOKEN` or "
+                                  "`TOKEN SALT`, each token once")
+            tokens[fields[0]] = fields[1] if len(fields) == 2 else ""
+        return tokens
+
+    def admin_token(self) -> str:
+        return Path(self.admin_token_file).read_text().strip() if self.admin_token_file else ""
 
 
 @dataclass

@@ -29,7 +29,7 @@ import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.v1 import generation_pb2
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.config import ConfigError, load_config
 from shared.control import wire
 from shared.control.curve import KeyPolicy, secure_server
@@ -126,6 +126,7 @@ def curve_stack(tmp_path_factory, checkpoint, curve_keys):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with ServiceStack(tmp_path_factory.mktemp("curve"), CACHE_DIR,
                       service_env={name: _worker_key(curve_keys, name) for name in ("prefill", "decode")},
+                      PDSERVE_ROUTER_ADMIN_TOKEN_FILE="",  # Admin off
                       **_curve_settings(endpoint, curve_keys)) as stack:
         yield stack
         stack.assert_pools_drained()
@@ -293,8 +294,22 @@ def test_config_checks_tls_and_token(tmp_path):
     with pytest.raises(ConfigError, match="the token is empty"):
         check_service(_config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")), "router")
     (tmp_path / "token").write_text(f"{TOKEN}\n")
-    assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_token() == TOKEN
-    assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_token() == TOKEN
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_tokens() == {TOKEN: ""}
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_tokens() == {TOKEN: ""}
+
+
+def test_config_checks_the_admin_token(tmp_path):
+    (tmp_path / "admin").write_text("\n")
+    with pytest.raises(ConfigError, match="router.admin_token_file: the token is empty"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin")), "router")
+    (tmp_path / "admin").write_text(f"{TOKEN}\n")
+    with pytest.raises(ConfigError, match="give admin calls a token of their own"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin"), PDSERVE_ROUTER_AUTH_TOKEN=TOKEN),
+                      "router")
+    with pytest.raises(ConfigError, match="router.admin_token_file: cannot read"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "missing")), "router")
+    check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin"), PDSERVE_ROUTER_AUTH_TOKEN="other"),
+                  "router")
 
 
 # ---- TLS and the bearer token on gRPC ----
@@ -356,6 +371,34 @@ def test_calls_without_the_right_token_are_unauthenticated(tls_stack, metadata):
             call()
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
     assert _generate(stub, BEARER) == 3  # refused calls left nothing behind
+
+
+def _drain_unknown_worker(stack: ServiceStack, metadata) -> grpc.RpcError:
+    """What Admin.Drain answers for a worker that does not exist: NOT_FOUND only past the admin check,
+    so no worker of the shared stack is drained."""
+    with pytest.raises(grpc.RpcError) as error:
+        generation_pb2_grpc.AdminStub(stack.channel).Drain(generation_pb2.DrainRequest(worker_id="decode-9"),
+                                                           timeout=10, metadata=metadata)
+    return error.value
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_admin_calls_take_the_admin_token_and_not_the_generation_token(tls_stack):
+    for metadata in ([], BEARER, [("authorization", "Bearer wrong-token")]):
+        refused = _drain_unknown_worker(tls_stack, metadata)
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert "router.admin_token_file" in refused.details()
+    assert _drain_unknown_worker(tls_stack, tls_stack.admin_bearer).code() == grpc.StatusCode.NOT_FOUND
+    assert sorted(w.worker_id for w in tls_stack.workers()) == ["decode-0", "prefill-0"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_admin_calls_are_refused_without_an_admin_token_configured(curve_stack):
+    refused = _drain_unknown_worker(curve_stack, [])
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "set router.admin_token_file" in refused.details()
 
 
 @pytest.mark.e2e

@@ -81,13 +81,18 @@ def _check_router_keys(config: Config) -> None:
 
 def _check_router_files(config: Config) -> None:
     router = config.router
-    for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+    for name in ("tls_cert_file", "tls_key_file", "auth_token_file", "admin_token_file"):
         path = getattr(router, name)
         if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
             raise ConfigError(f"router.{name}: cannot read the file {path}")
-    if (router.auth_token_file or router.auth_token) and not router.bearer_token():
+    if (router.auth_token_file or router.auth_token) and not router.bearer_tokens():
         source = "auth_token_file" if router.auth_token_file else "auth_token"
         raise ConfigError(f"router.{source}: the token is empty")
+    if router.admin_token_file and not router.admin_token():
+        raise ConfigError("router.admin_token_file: the token is empty")
+    if router.admin_token_file and router.admin_token() in router.bearer_tokens():
+        raise ConfigError("router.admin_token_file holds the generation token (router.auth_token_file or "
+                          "auth_token): give admin calls a token of their own")
 
 
 def _require_keys(who: str, endpoint: str, section: str, values: object, fields: tuple[str, ...]) -> None:
