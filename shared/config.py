@@ -118,6 +118,10 @@ class RouterConfig:
     # salt share prefix-cache pages only with calls of that same salt (README.md, Security).
     auth_token_file: str = ""
     auth_token: str = ""
+    # gRPC or HTTP on an address other than loopback without both TLS and a bearer token lets
+    # anyone who reaches the host generate, or read tokens and text on the wire: the router (and
+    # make run) refuse to start so unless this is true (e.g. behind a proxy that does TLS and auth).
+    allow_insecure_network: bool = False
     # Admin calls (Drain, which stops a worker) take a token of their own, never the one above:
     # `authorization: Bearer <the content of this file>`. Empty: Admin refuses every call with
     # PERMISSION_DENIED. `make run` (services.stack) leaves none empty: it writes a random token

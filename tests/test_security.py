@@ -42,7 +42,7 @@ from shared.control.messages import (
     Reregister,
     Role,
 )
-from shared.runtime.service_config import check_service
+from shared.runtime.service_config import check_service, is_loopback
 from tests.stack import REPO, SERVICES, ServiceStack, free_port
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
@@ -190,6 +190,18 @@ def test_router_and_worker_refuse_tcp_without_keys(tmp_path):
         stack.stop()
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_router_open_to_the_network_without_tls_and_token_refuses_to_start(tmp_path):
+    stack = ServiceStack(tmp_path, CACHE_DIR, services=(), PDSERVE_ROUTER_GRPC_ADDRESS=f"0.0.0.0:{free_port()}")
+    try:
+        stack.start("router")
+        assert stack.processes["router"].wait(timeout=120) == 2, stack.tail("router")
+        assert "router.allow_insecure_network = true" in stack.tail("router")
+    finally:
+        stack.stop()
+
+
 def _config(**environ: str):
     return load_config(None, environ={"PDSERVE_ROUTER_RUNTIME_DIR": "/nonexistent", **environ})
 
@@ -296,6 +308,29 @@ def test_config_checks_tls_and_token(tmp_path):
     (tmp_path / "token").write_text(f"{TOKEN}\n")
     assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_tokens() == {TOKEN: ""}
     assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_tokens() == {TOKEN: ""}
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "127.8.0.1:1", "[::1]:1", "localhost:1", "unix:/run/x.sock"])
+def test_loopback_addresses_need_no_tls_or_token(address):
+    assert is_loopback(address)
+    check_service(_config(PDSERVE_ROUTER_GRPC_ADDRESS=address), "stack")
+
+
+def test_serving_beyond_loopback_needs_tls_and_a_token_or_the_explicit_setting(tmp_path):
+    for name in ("cert.pem", "key.pem", "token"):
+        (tmp_path / name).write_text("x\n")
+    tls = {"PDSERVE_ROUTER_TLS_CERT_FILE": str(tmp_path / "cert.pem"), "PDSERVE_ROUTER_TLS_KEY_FILE": str(tmp_path / "key.pem")}
+    token = {"PDSERVE_ROUTER_AUTH_TOKEN_FILE": str(tmp_path / "token")}
+    for exposed, named in (({"PDSERVE_ROUTER_GRPC_ADDRESS": "0.0.0.0:50051"}, "router.grpc_address 0.0.0.0:50051"),
+                           ({"PDSERVE_ROUTER_HTTP_ADDRESS": "[::]:8000"}, "router.http_address [::]:8000"),
+                           ({"PDSERVE_ROUTER_GRPC_ADDRESS": "192.0.2.7:50051"}, "router.grpc_address 192.0.2.7"),
+                           ({"PDSERVE_ROUTER_GRPC_ADDRESS": "myhost:50051"}, "router.grpc_address myhost")):
+        for service in ("router", "stack"):
+            for partial, missing in (({}, "without TLS"), (tls, "without a bearer token"), (token, "without TLS")):
+                with pytest.raises(ConfigError, match=f"{re.escape(named)}.*{missing}.*router.allow_insecure_network"):
+                    check_service(_config(**exposed, **partial), service)
+            check_service(_config(**exposed, **tls, **token), service)
+            check_service(_config(**exposed, PDSERVE_ROUTER_ALLOW_INSECURE_NETWORK="true"), service)
 
 
 def test_config_checks_the_admin_token(tmp_path):
