@@ -187,10 +187,16 @@ class KvConfig:
     # one host), "cuda_ipc" (GPU memory, one host), "nixl" (NIXL over UCX, between hosts or within
     # one; UCX's own variables, e.g. UCX_NET_DEVICES and UCX_TLS, pick its network), or "auto":
     # the host's own kind for decodes on the prefill's host, NIXL for the others, offered only when
-    # router.zmq_address is tcp://. NIXL's data plane has no authentication of its own: keep it on
-    # a trusted network.
+    # router.zmq_address is tcp://, and to a decode only once it cannot open the host's kind. NIXL's
+    # data plane has no authentication of its own: keep it on a trusted network (nixl_net_devices).
     transfer: str = field(default="auto", metadata=_check(lambda v: v in ("auto", "shm", "cuda_ipc", "nixl"),
                                                           "must be auto, shm, cuda_ipc or nixl"))
+    # The network devices a worker's NIXL agent listens and moves pages on, as UCX_NET_DEVICES
+    # names them ("eth1", "mlx5_0:1,eth1"): UCX would open a listener on every interface of the
+    # host. Empty: UCX_NET_DEVICES if the environment sets it; else loopback ("lo") on an ipc://
+    # stack, whose workers share one host; else, on tcp://, the interface this host reaches
+    # router.zmq_address's host by (shared/kv/transfer/nixl_network.py).
+    nixl_net_devices: str = ""
 
 
 @dataclass

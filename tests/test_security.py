@@ -175,6 +175,40 @@ def test_a_decode_key_cannot_register_a_prefill(curve_stack, curve_keys):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_decode_gets_the_nixl_handle_only_once_it_cannot_open_the_pool_on_its_host(curve_stack, curve_keys,
+                                                                                     checkpoint):
+    """On tcp:// with kv.transfer auto the prefill offers shared memory and NIXL, whose data plane has
+    no authentication. A decode (here a peer with an admitted key) is offered shared memory alone;
+    NIXL only once it says it cannot open that (it runs on another host); past that, the pair is avoided."""
+    from shared.control.messages import Deregister, PoolAvailable, PoolUnreachable, Registered
+    from tests.protocol_peer import ProtocolPeer
+    from tests.test_control_plane import _fingerprint
+
+    stack, certs = curve_stack, curve_keys["certs"]
+    peer = ProtocolPeer(stack.env["PDSERVE_ROUTER_ZMQ_ADDRESS"], "probe-0", Role.DECODE, _fingerprint(checkpoint),
+                        curve=(certs / "probe.key_secret", certs / "router.key"))
+    try:
+        peer.register()
+        peer.receive(Registered)
+        first = peer.receive(PoolAvailable)
+        assert (first.prefill_worker_id, [h.backend for h in first.pool_handles]) == ("prefill-0", ["shm"])
+        peer.send(PoolUnreachable("prefill-0", "no such shared-memory segment on this host"))
+        second = peer.receive(PoolAvailable)
+        assert (second.prefill_worker_id, [h.backend for h in second.pool_handles]) == ("prefill-0", ["nixl"])
+        peer.send(PoolUnreachable("prefill-0", "NIXL refused"))
+        with pytest.raises(TimeoutError):
+            peer.receive(PoolAvailable, timeout_s=1.0)
+        assert '"event": "pair avoided' in stack.log_path("router").read_text()
+        peer.send(Deregister("probe-0"))
+    finally:
+        peer.close()
+    mapped = [line for line in stack.log_path("decode").read_text().splitlines() if "mapped prefill pool" in line]
+    assert mapped and all('"backend": "shm"' in line and '"passed_over": []' in line for line in mapped), mapped
+    assert _generate(stack.stub) == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_router_and_worker_refuse_tcp_without_keys(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     stack = ServiceStack(tmp_path, CACHE_DIR, services=(), PDSERVE_ROUTER_ZMQ_ADDRESS=endpoint)
