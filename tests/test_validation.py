@@ -1,6 +1,7 @@
 """services/router/validation.py: every malformed GenerateRequest is an InvalidRequest, and the
 defaults of the unset fields are applied."""
 
+import dataclasses
 import math
 
 import pytest
@@ -47,6 +48,7 @@ SHAPE_ERRORS = {
     "empty stop string": dict(prompt="hi", stop=[""]),
     "too many stop strings": dict(prompt="hi", stop=[str(i) for i in range(17)]),
     "request id too long": dict(prompt="hi", request_id="r" * 257),
+    "cache salt too long": dict(prompt="hi", cache_salt="s" * 257),
 }
 
 
@@ -173,3 +175,16 @@ def test_a_negative_max_tokens_gets_the_message_of_zero():
     """The OpenAI front's JSON can carry what GenerateRequest's unsigned field cannot."""
     with pytest.raises(InvalidRequest, match="max_tokens must be at least 1"):
         check_request_shape(GenerateInput(prompt="hi", max_tokens=-5), LIMITS)
+
+
+def test_the_cache_salt_is_the_tokens_and_the_requests_own_told_apart():
+    """Neither: no salt, so unsalted prompts share pages as ever. Both: the token's length-prefixed,
+    so a client cannot make its own salt equal another token's ("ab" + "c" is not "a" + "bc")."""
+    def salt(token_salt: str, **fields) -> str:
+        given = dataclasses.replace(request(prompt_token_ids=PROMPT_IDS, **fields), token_salt=token_salt)
+        return build_job(given, PROMPT_IDS, LIMITS).cache_salt
+
+    assert salt("") == salt("", cache_salt="") == ""
+    assert salt("", cache_salt="s" * 256) == "0:" + "s" * 256
+    assert salt("team-a") == "6:team-a"
+    assert len({salt("ab", cache_salt="c"), salt("a", cache_salt="bc"), salt("", cache_salt="abc"), salt("abc")}) == 4

@@ -156,7 +156,7 @@ class PrefillWorker(WorkerLoop):
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.cache.num_pages}"))
             return
-        keys = page_keys(task.prompt_token_ids, self.page_size) if self.use_cache else []
+        keys = page_keys(task.prompt_token_ids, self.page_size, task.cache_salt) if self.use_cache else []
         self.waiting.append(Queued(task, keys))
 
     def _on_release(self, message: ReleaseKv) -> None:

@@ -67,7 +67,8 @@ async def serve(config: Config) -> int:
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=config.router.max_concurrent_rpcs)
     frontend = Frontend(router, tokenizer, limits, config.router.stall_timeout_s)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend, bearer_token(config.router)),
+                                                         server)
     generation_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -7,13 +7,15 @@ import structlog
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.router.api.admin import list_workers
+from services.router.api.auth import BearerToken, authorization
 from services.router.control.request import RequestError
 from services.router.frontend import Chunk, Frontend, StreamStalled
 from services.router.validation import ChatMessage, GenerateInput, InvalidRequest
 from shared.runtime.metrics import RequestTimer
 
 
-def generate_input(request: generation_pb2.GenerateRequest) -> GenerateInput:
+def generate_input(request: generation_pb2.GenerateRequest, token_salt: str = "") -> GenerateInput:
+    """token_salt: the cache salt of the bearer token the call came with (auth.py)."""
     def given(name: str):
         return getattr(request, name) if request.HasField(name) else None
 
@@ -22,7 +24,8 @@ def generate_input(request: generation_pb2.GenerateRequest) -> GenerateInput:
         messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids), max_tokens=given("max_tokens"),
         temperature=given("temperature"), top_p=given("top_p"), top_k=given("top_k"), seed=given("seed"),
-        stop=tuple(request.stop), ignore_eos=request.ignore_eos)
+        stop=tuple(request.stop), ignore_eos=request.ignore_eos, cache_salt=given("cache_salt"),
+        token_salt=token_salt)
 
 
 def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
@@ -37,14 +40,17 @@ def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, token: BearerToken | None = None):
+        """token: the bearer tokens, whose cache salts the calls take (the interceptor admitted them)."""
         self.frontend = frontend
+        self.token = token
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         timer = RequestTimer(context.time_remaining)
+        token_salt = self.token.cache_salt(authorization(context.invocation_metadata())) if self.token else ""
         with structlog.contextvars.bound_contextvars(label=request.request_id):
             try:
-                generation = await self.frontend.start(generate_input(request), timer)
+                generation = await self.frontend.start(generate_input(request, token_salt), timer)
                 async with generation:
                     async for chunk in generation:
                         await generation.deliver(context.write(_response(generation.label, chunk)))

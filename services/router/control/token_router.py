@@ -140,8 +140,8 @@ class TokenRouter:
     def _send_prefill_task(self, request: InflightRequest) -> None:
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
-        self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling,
-                                                      job.stop, time.time()))
+        self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.cache_salt,
+                                                      job.sampling, job.stop, time.time()))
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
