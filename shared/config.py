@@ -129,17 +129,43 @@ class RouterConfig:
     # gRPC over TLS: a PEM certificate chain and its private key, both or neither; empty: plaintext.
     tls_cert_file: str = ""
     tls_key_file: str = ""
-    # Every call but health checks must carry `authorization: Bearer <token>`: the token is the
-    # content of auth_token_file, or auth_token (set it as PDSERVE_ROUTER_AUTH_TOKEN: a flag
-    # shows in `ps`). Both empty: no token.
+    # Every call but health checks must carry `authorization: Bearer <token>`: a token of
+    # auth_token_file, or auth_token (set it as PDSERVE_ROUTER_AUTH_TOKEN: a flag shows in `ps`).
+    # Both empty: no token. The file holds one token per line, each optionally followed by a
+    # cache salt (`TOKEN` or `TOKEN SALT`; # starts a comment line): the calls of a token with a
+    # salt share prefix-cache pages only with calls of that same salt (README.md, Security).
     auth_token_file: str = ""
     auth_token: str = ""
+    # gRPC or HTTP on an address other than loopback without both TLS and a bearer token lets
+    # anyone who reaches the host generate, or read tokens and text on the wire: the router (and
+    # make run) refuse to start so unless this is true (e.g. behind a proxy that does TLS and auth).
+    allow_insecure_network: bool = False
+    # Admin calls (Drain, which stops a worker) take a token of their own, never the one above:
+    # `authorization: Bearer <the content of this file>`. Empty: Admin refuses every call with
+    # PERMISSION_DENIED. `make run` (services.stack) leaves none empty: it writes a random token
+    # into the runtime folder (shared/runtime/admin_token.py), where `pdserve drain` finds it.
+    admin_token_file: str = ""
 
     def zmq_endpoint(self) -> str:
         return self.zmq_address or f"ipc://{self.runtime_dir}/router.ipc"
 
-    def bearer_token(self) -> str:
-        return Path(self.auth_token_file).read_text().strip() if self.auth_token_file else self.auth_token.strip()
+    def bearer_tokens(self) -> dict[str, str]:
+        """Each token a call may carry, with the cache salt of its calls ("" for none)."""
+        if not self.auth_token_file:
+            return {self.auth_token.strip(): ""} if self.auth_token.strip() else {}
+        tokens: dict[str, str] = {}
+        for number, line in enumerate(Path(self.auth_token_file).read_text().splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) > 2 or fields[0] in tokens:
+                raise ConfigError(f"router.auth_token_file {self.auth_token_file}, line {number}: give `TOKEN` or "
+                                  "`TOKEN SALT`, each token once")
+            tokens[fields[0]] = fields[1] if len(fields) == 2 else ""
+        return tokens
+
+    def admin_token(self) -> str:
+        return Path(self.admin_token_file).read_text().strip() if self.admin_token_file else ""
 
 
 @dataclass
@@ -179,10 +205,16 @@ class KvConfig:
     # one host), "cuda_ipc" (GPU memory, one host), "nixl" (NIXL over UCX, between hosts or within
     # one; UCX's own variables, e.g. UCX_NET_DEVICES and UCX_TLS, pick its network), or "auto":
     # the host's own kind for decodes on the prefill's host, NIXL for the others, offered only when
-    # router.zmq_address is tcp://. NIXL's data plane has no authentication of its own: keep it on
-    # a trusted network.
+    # router.zmq_address is tcp://, and to a decode only once it cannot open the host's kind. NIXL's
+    # data plane has no authentication of its own: keep it on a trusted network (nixl_net_devices).
     transfer: str = field(default="auto", metadata=_check(lambda v: v in ("auto", "shm", "cuda_ipc", "nixl"),
                                                           "must be auto, shm, cuda_ipc or nixl"))
+    # The network devices a worker's NIXL agent listens and moves pages on, as UCX_NET_DEVICES
+    # names them ("eth1", "mlx5_0:1,eth1"): UCX would open a listener on every interface of the
+    # host. Empty: UCX_NET_DEVICES if the environment sets it; else loopback ("lo") on an ipc://
+    # stack, whose workers share one host; else, on tcp://, the interface this host reaches
+    # router.zmq_address's host by (shared/kv/transfer/nixl_network.py).
+    nixl_net_devices: str = ""
 
 
 @dataclass

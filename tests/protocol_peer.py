@@ -8,9 +8,11 @@ router has forgotten.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import zmq
+import zmq.auth
 
 from shared.control import wire
 from shared.control.messages import PROTOCOL_VERSION, Heartbeat, KvPoolHandle, ModelFingerprint, Register, Role
@@ -19,7 +21,8 @@ from shared.kv.pool import make_layout
 
 class ProtocolPeer:
     def __init__(self, endpoint: str, worker_id: str, role: Role, fingerprint: ModelFingerprint,
-                 total_pages: int = 64, page_size: int = 16):
+                 total_pages: int = 64, page_size: int = 16, curve: tuple[Path, Path] | None = None):
+        """curve: on a tcp:// router, the peer's secret-key certificate and the router's public one."""
         self.worker_id = worker_id
         self.fingerprint = fingerprint
         self.role = role
@@ -28,6 +31,9 @@ class ProtocolPeer:
         self.epoch = ""
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.DEALER)
+        if curve is not None:
+            self.socket.curve_publickey, self.socket.curve_secretkey = zmq.auth.load_certificate(curve[0])
+            self.socket.curve_serverkey = zmq.auth.load_certificate(curve[1])[0]
         self.socket.connect(endpoint)
 
     def close(self) -> None:

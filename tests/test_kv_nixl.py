@@ -28,6 +28,7 @@ from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.transfer import TransferState
 from shared.kv.transfer.nixl_agent import nixl_module
 from tests.conftest import CACHE_DIR
+from tests.listeners import listening_sockets
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import REPO, ServiceStack
 
@@ -209,7 +210,8 @@ def test_a_malformed_nixl_handle_is_refused(decode_side):
 
 # ---- the stack ----
 
-NIXL_STACK = {"PDSERVE_KV_TRANSFER": "nixl", **UCX_LOOPBACK}
+# UCX_NET_DEVICES is left out: the agents listen where the product puts them (kv.nixl_net_devices).
+NIXL_STACK = {"PDSERVE_KV_TRANSFER": "nixl", "UCX_TLS": "tcp"}
 PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "Count from one to ten:",
            "Explain why the sky is blue in one sentence."]
 MAX_TOKENS = 12
@@ -223,9 +225,26 @@ def _ids(stub, prompt_ids: list[int], max_tokens: int, timeout: float = 120.0) -
 
 @pytest.fixture(scope="module")
 def nixl_stack(tmp_path_factory, checkpoint):
-    with ServiceStack(tmp_path_factory.mktemp("nixl"), CACHE_DIR, **NIXL_STACK) as stack:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("UCX_NET_DEVICES", raising=False)  # the stack's services take this environment
+        stack = ServiceStack(tmp_path_factory.mktemp("nixl"), CACHE_DIR, **NIXL_STACK)
+    with stack:
         yield stack
         stack.stop_drained()
+
+
+def test_the_nixl_agents_listen_on_loopback_alone(nixl_stack):
+    """An ipc:// stack is on one host: UCX, which would listen on every interface, is given loopback
+    (kv.nixl_net_devices empty, no UCX_NET_DEVICES), so NIXL's unauthenticated data plane is off the
+    network. Each worker listens for its metrics and, once the decode has mapped the prefill's pool,
+    for its NIXL agent."""
+    deadline = time.monotonic() + nixl_stack.start_timeout_s
+    while '"event": "mapped prefill pool"' not in nixl_stack.log_path("decode").read_text():
+        assert time.monotonic() < deadline, "the decode never mapped the prefill's pool"
+        time.sleep(0.2)
+    for name in ("prefill", "decode"):
+        sockets = listening_sockets(nixl_stack.processes[name].pid)
+        assert len(sockets) >= 2 and all(address.is_loopback for address, _ in sockets), (name, sockets)
 
 
 def test_the_stack_on_nixl_matches_transformers_concurrently(nixl_stack, tokenizer, reference_model):

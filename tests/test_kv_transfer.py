@@ -4,6 +4,7 @@ The shm backend's pulls are in tests/test_handoff.py, the cuda_ipc backend's in 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -26,7 +27,8 @@ from shared.control.messages import (
     TokenBatch,
 )
 from shared.kv.pool import allocate_local_pool, make_layout
-from shared.kv.transfer import TransferState
+from shared.kv.transfer import TransferError, TransferState
+from shared.kv.transfer.nixl_network import interface_addresses, interface_toward, nixl_net_devices
 from shared.kv.transfer.fake import FakeExport, Script
 
 PAGE_SIZE = 4
@@ -271,3 +273,20 @@ def test_auto_offers_nixl_beside_the_hosts_kind_only_where_decodes_may_be_elsewh
     assert offered_kinds("auto", "cuda", cross_host=True) == ["cuda_ipc", "nixl"]
     assert offered_kinds("nixl", "cpu", cross_host=False) == ["nixl"]
     assert offered_kinds("shm", "cpu", cross_host=True) == ["shm"]
+
+
+def test_nixl_agents_get_the_configured_network_else_loopback_or_the_route_to_the_router():
+    """shared/kv/transfer/nixl_network.py: the setting, then UCX's own variable, then loopback on a
+    one-host (ipc://) stack, then the interface this host reaches the router's host by."""
+    assert nixl_net_devices("mlx5_0:1", "ipc:///run/pdserve/router.ipc", {"UCX_NET_DEVICES": "eth9"}) == "mlx5_0:1"
+    assert nixl_net_devices("", "tcp://10.0.0.1:5555", {"UCX_NET_DEVICES": "eth9"}) == "eth9"
+    assert nixl_net_devices("", "ipc:///run/pdserve/router.ipc", {}) == "lo"
+    assert nixl_net_devices("", "tcp://127.0.0.1:5555", {}) == "lo"
+    assert nixl_net_devices("", "tcp://[::1]:5555", {}) == "lo"
+    for _, name in socket.if_nameindex():  # a router at one of this host's own addresses
+        for address in interface_addresses(name):
+            if not (address.is_loopback or address.is_link_local):
+                host = f"[{address}]" if address.version == 6 else str(address)
+                assert nixl_net_devices("", f"tcp://{host}:5555", {}) == name
+    with pytest.raises(TransferError, match="set kv.nixl_net_devices"):
+        interface_toward("no-such-host.invalid")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import zmq
 
 from pdserve.v1 import generation_pb2
 from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW
+from shared.runtime.admin_token import local_admin_token_path
 from tests.stack import REPO, ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -34,7 +36,9 @@ def _alive(pid: int) -> bool:
 
 def test_launcher_stops_all_services_on_sigterm(tmp_path, checkpoint):
     cache_dir = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
-    with ServiceStack(tmp_path, cache_dir, services=("stack",)) as stack:
+    # No admin token configured, as under `make run`: the launcher makes one in the runtime folder.
+    with ServiceStack(tmp_path, cache_dir, services=("stack",), PDSERVE_ROUTER_ADMIN_TOKEN_FILE="") as stack:
+        _pdserve_drain_finds_the_launchers_admin_token(stack)
         launcher = stack.processes["stack"]
         children = _children(launcher.pid)
         assert len(children) == 3
@@ -45,6 +49,17 @@ def test_launcher_stops_all_services_on_sigterm(tmp_path, checkpoint):
         assert launcher.wait(timeout=30) == 0
         assert not [pid for pid in children if _alive(pid)], "services outlived the launcher"
         assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments), "shared memory left behind"
+
+
+def _pdserve_drain_finds_the_launchers_admin_token(stack: ServiceStack) -> None:
+    """The client reads the token from the runtime folder it shares with the stack; the answer for an
+    unknown worker comes from past the admin check."""
+    token = local_admin_token_path(stack.env["PDSERVE_ROUTER_RUNTIME_DIR"])
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    drain = subprocess.run([sys.executable, "-m", "services.client", "--address", stack.address, "drain", "decode-9"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PDSERVE_ROUTER_RUNTIME_DIR": stack.env["PDSERVE_ROUTER_RUNTIME_DIR"]})
+    assert drain.returncode == 1 and "NOT_FOUND: no worker 'decode-9' is registered" in drain.stderr, drain.stderr
 
 
 def test_the_serving_router_has_neither_torch_nor_triton_mapped(stack):

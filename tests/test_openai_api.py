@@ -22,6 +22,7 @@ from tests.test_e2e_generation import CHATS, MAX_TOKENS, PROMPTS
 pytestmark = pytest.mark.e2e
 
 TOKEN = "openai-test-token"
+SALTED_TOKEN = "openai-test-token-of-team-b"
 MODEL = "embedded"  # model.path, as router.served_model_name is unset
 
 
@@ -30,8 +31,11 @@ PREFILL_PAGES = 16  # 256 tokens: room for every prompt here but the one that mu
 
 @pytest.fixture(scope="module")
 def token_stack(checkpoint, tmp_path_factory):
-    """A stack whose every call, gRPC and HTTP, must carry the bearer token."""
-    with ServiceStack(tmp_path_factory.mktemp("openai"), CACHE_DIR, PDSERVE_ROUTER_AUTH_TOKEN=TOKEN,
+    """A stack whose every call, gRPC and HTTP, must carry a bearer token: TOKEN, or SALTED_TOKEN,
+    whose calls' prefix-cache keys carry a salt of its own."""
+    workdir = tmp_path_factory.mktemp("openai")
+    (workdir / "tokens").write_text(f"# token [cache salt]\n{TOKEN}\n{SALTED_TOKEN} team-b\n")
+    with ServiceStack(workdir, CACHE_DIR, PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(workdir / "tokens"),
                       PDSERVE_KV_PREFILL_PAGES=str(PREFILL_PAGES)) as stack:
         yield stack
         stack.stop_drained()
@@ -343,3 +347,48 @@ def test_an_unknown_role_is_quoted_back_cut_short(client):
         client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "x" * 100_000, "content": "hi"}])
     message = error.value.body["message"]
     assert "unknown chat role" in message and len(message) < 200, message[:300]
+
+
+def _cached_tokens(stack, front: str, prompt: list[int], token: str = TOKEN, salt: str | None = None) -> int:
+    """The prompt tokens the prefill took from its cache for one request over gRPC or HTTP."""
+    if front == "grpc":
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=1, cache_salt=salt)
+        chunks = list(stack.stub.Generate(request, timeout=120, metadata=[("authorization", f"Bearer {token}")]))
+        return chunks[-1].usage.cached_prompt_tokens
+    client = openai.OpenAI(base_url=stack.http_url, api_key=token, max_retries=0, timeout=120)
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                       extra_body={} if salt is None else {"cache_salt": salt})
+    return answer.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_cache_salt_shares_cached_pages_only_within_that_salt_over_both_fronts(token_stack):
+    """vLLM's cache_salt: another salt (or none) computes the whole prompt, so cached_tokens tells a
+    client nothing of what others sent; the same salt hits, whichever front sent it."""
+    prompt = [2000 + i for i in range(3 * 16)]  # three pages; a hit reuses two (the last is computed)
+    assert _cached_tokens(token_stack, "grpc", prompt, salt="tenant-a") == 0
+    assert _cached_tokens(token_stack, "grpc", prompt, salt="tenant-a") == 32
+    assert _cached_tokens(token_stack, "grpc", prompt, salt="tenant-b") == 0
+    assert _cached_tokens(token_stack, "http", prompt, salt="tenant-a") == 32
+    assert _cached_tokens(token_stack, "http", prompt, salt="tenant-c") == 0
+    assert _cached_tokens(token_stack, "http", prompt, salt="tenant-c") == 32
+    assert _cached_tokens(token_stack, "http", prompt) == 0
+    assert _cached_tokens(token_stack, "grpc", prompt) == 32
+    token_stack.assert_pools_drained()
+
+
+def test_a_tokens_cache_salt_keeps_its_calls_apart(token_stack):
+    """router.auth_token_file's `TOKEN SALT`: that token's calls share pages only among themselves,
+    and a salt of the request's own adds to its token's."""
+    prompt = [3000 + i for i in range(3 * 16)]
+    assert _cached_tokens(token_stack, "grpc", prompt) == 0
+    assert _cached_tokens(token_stack, "http", prompt, SALTED_TOKEN) == 0
+    assert _cached_tokens(token_stack, "grpc", prompt, SALTED_TOKEN) == 32
+    assert _cached_tokens(token_stack, "grpc", prompt, SALTED_TOKEN, salt="x") == 0
+    assert _cached_tokens(token_stack, "http", prompt) == 32
+    token_stack.assert_pools_drained()
+
+
+def test_a_cache_salt_too_long_is_400_as_grpc_is_invalid_argument(token_stack, client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"cache_salt": "s" * 257})
+    assert error.value.body["message"] == _grpc_error(token_stack, prompt="Hi", max_tokens=1, cache_salt="s" * 257)

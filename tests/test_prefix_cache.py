@@ -3,6 +3,8 @@ eviction, and the batched KvCacheEvents. The model and the real stack: test_pref
 
 from __future__ import annotations
 
+import array
+import hashlib
 import random
 
 import pytest
@@ -22,6 +24,19 @@ def lease_of(cache: PrefixCache, prompt: list[int]):
     lease = cache.acquire(keys, len(prompt))
     cache.store(keys, lease)
     return lease
+
+
+def test_a_cache_salt_starts_another_chain_of_keys():
+    """Within a salt prompts share the keys of their shared full pages, as without one; across salts,
+    and between salted and unsalted, no key at all; no salt keeps the keys they always were."""
+    prompt, longer = list(range(3 * PAGE)), list(range(3 * PAGE)) + [7] * PAGE
+    plain = page_keys(prompt, PAGE)
+    assert page_keys(prompt, PAGE, "") == plain
+    assert plain[0] == hashlib.blake2b(array.array("q", prompt[:PAGE]).tobytes(), digest_size=16).hexdigest()
+    salted = {salt: page_keys(prompt, PAGE, salt) for salt in ("a", "b", "1:a")}
+    assert page_keys(longer, PAGE, "a")[:3] == salted["a"] and len(salted["a"]) == 3
+    groups = [set(plain), *map(set, salted.values())]
+    assert sum(map(len, groups)) == len(set().union(*groups))  # no key in two groups
 
 
 def test_a_prompt_reuses_its_longest_cached_prefix_of_full_pages():

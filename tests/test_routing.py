@@ -103,6 +103,7 @@ def test_draining_a_decode_under_load_loses_none(checkpoint, tmp_path):
             calls = [pool.submit(_token_ids, stack.stub, _greedy(p, 48)) for p in PROMPTS]
             time.sleep(2.0)  # streams under way on both decodes
             drained = subprocess.run([sys.executable, "-m", "services.client", "--address", stack.address,
+                                      "--admin-token-file", stack.config.router.admin_token_file,
                                       "drain", "decode-0"], cwd=REPO, capture_output=True, text=True, timeout=60)
             assert drained.returncode == 0, drained.stderr
             late = [pool.submit(_token_ids, stack.stub, _greedy(p, 8)) for p in PROMPTS[:4]]  # placed on decode-1
@@ -112,7 +113,8 @@ def test_draining_a_decode_under_load_loses_none(checkpoint, tmp_path):
         assert "decode-0" not in {w.worker_id for w in stack.workers()}
         assert _served_by(stack)["decode"]["decode-1"] >= 4
         with pytest.raises(grpc.RpcError) as error:
-            generation_pb2_grpc.AdminStub(stack.channel).Drain(generation_pb2.DrainRequest(worker_id="decode-9"))
+            generation_pb2_grpc.AdminStub(stack.channel).Drain(generation_pb2.DrainRequest(worker_id="decode-9"),
+                                                               metadata=stack.admin_bearer)
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
         stack.assert_pools_drained()
 

@@ -18,8 +18,8 @@ def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -
     return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
 
 
-def _request(tokens: list[int], max_tokens: int = 8) -> InflightRequest:
-    job = Job(tokens, SamplingParams(0.0, 1.0, 0, 1), StopParams(max_tokens, False), [])
+def _request(tokens: list[int], max_tokens: int = 8, cache_salt: str = "") -> InflightRequest:
+    job = Job(tokens, SamplingParams(0.0, 1.0, 0, 1), StopParams(max_tokens, False), [], cache_salt)
     return InflightRequest(job)
 
 
@@ -51,6 +51,18 @@ def test_a_fully_cached_prompt_still_computes_its_last_page():
     worker = _worker("prefill-0")
     worker.cached_keys.update(page_keys(prompt, PAGE))
     assert RoutingPolicy(RoutingConfig(), PAGE).tokens_to_compute(worker, _request(prompt)) == PAGE
+
+
+def test_a_prefix_cached_under_another_salt_draws_nothing():
+    """The router hashes a request's pages with its cache salt, as the prefill does: pages cached
+    for other salts (or none) count as not cached."""
+    prompt = list(range(4 * PAGE))
+    worker = _worker("prefill-0")
+    worker.cached_keys.update(page_keys(prompt, PAGE, "1:a"))
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.tokens_to_compute(worker, _request(prompt, cache_salt="1:a")) == PAGE
+    assert policy.tokens_to_compute(worker, _request(prompt, cache_salt="1:b")) == len(prompt)
+    assert policy.tokens_to_compute(worker, _request(prompt)) == len(prompt)
 
 
 def test_a_decode_is_chosen_by_requests_in_flight_and_promised_pages():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.model.weight_share import weights_file
+from shared.runtime.admin_token import ensure_local_admin_token, local_admin_token_path
 from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir, write_private_file
 from tests.stack import REPO
 
@@ -106,3 +107,21 @@ def test_the_open_itself_follows_no_symlink(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError):
         write_private_file(path, b"weights")
     assert victim.read_bytes() == b"not yours"
+
+
+def test_the_local_admin_token_is_private_and_kept(tmp_path):
+    """`make run`'s admin token (shared/runtime/admin_token.py): made 0600, kept while it is private,
+    made afresh when others may read it, never written through a symlink."""
+    path = ensure_local_admin_token(str(tmp_path))
+    token = path.read_text()
+    assert path == local_admin_token_path(str(tmp_path)) and os.stat(path).st_mode & 0o777 == 0o600
+    assert len(token.strip()) >= 32
+    assert ensure_local_admin_token(str(tmp_path)).read_text() == token
+    os.chmod(path, 0o644)
+    assert ensure_local_admin_token(str(tmp_path)).read_text() != token
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafePath, match="symlink"):
+        ensure_local_admin_token(str(tmp_path))
+    assert not (tmp_path / "elsewhere").exists()

@@ -29,7 +29,7 @@ import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.v1 import generation_pb2
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.config import ConfigError, load_config
 from shared.control import wire
 from shared.control.curve import KeyPolicy, secure_server
@@ -42,7 +42,7 @@ from shared.control.messages import (
     Reregister,
     Role,
 )
-from shared.runtime.service_config import check_service
+from shared.runtime.service_config import check_service, is_loopback
 from tests.stack import REPO, SERVICES, ServiceStack, free_port
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
@@ -126,6 +126,7 @@ def curve_stack(tmp_path_factory, checkpoint, curve_keys):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with ServiceStack(tmp_path_factory.mktemp("curve"), CACHE_DIR,
                       service_env={name: _worker_key(curve_keys, name) for name in ("prefill", "decode")},
+                      PDSERVE_ROUTER_ADMIN_TOKEN_FILE="",  # Admin off
                       **_curve_settings(endpoint, curve_keys)) as stack:
         yield stack
         stack.assert_pools_drained()
@@ -174,6 +175,40 @@ def test_a_decode_key_cannot_register_a_prefill(curve_stack, curve_keys):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_decode_gets_the_nixl_handle_only_once_it_cannot_open_the_pool_on_its_host(curve_stack, curve_keys,
+                                                                                     checkpoint):
+    """On tcp:// with kv.transfer auto the prefill offers shared memory and NIXL, whose data plane has
+    no authentication. A decode (here a peer with an admitted key) is offered shared memory alone;
+    NIXL only once it says it cannot open that (it runs on another host); past that, the pair is avoided."""
+    from shared.control.messages import Deregister, PoolAvailable, PoolUnreachable, Registered
+    from tests.protocol_peer import ProtocolPeer
+    from tests.test_control_plane import _fingerprint
+
+    stack, certs = curve_stack, curve_keys["certs"]
+    peer = ProtocolPeer(stack.env["PDSERVE_ROUTER_ZMQ_ADDRESS"], "probe-0", Role.DECODE, _fingerprint(checkpoint),
+                        curve=(certs / "probe.key_secret", certs / "router.key"))
+    try:
+        peer.register()
+        peer.receive(Registered)
+        first = peer.receive(PoolAvailable)
+        assert (first.prefill_worker_id, [h.backend for h in first.pool_handles]) == ("prefill-0", ["shm"])
+        peer.send(PoolUnreachable("prefill-0", "no such shared-memory segment on this host"))
+        second = peer.receive(PoolAvailable)
+        assert (second.prefill_worker_id, [h.backend for h in second.pool_handles]) == ("prefill-0", ["nixl"])
+        peer.send(PoolUnreachable("prefill-0", "NIXL refused"))
+        with pytest.raises(TimeoutError):
+            peer.receive(PoolAvailable, timeout_s=1.0)
+        assert '"event": "pair avoided' in stack.log_path("router").read_text()
+        peer.send(Deregister("probe-0"))
+    finally:
+        peer.close()
+    mapped = [line for line in stack.log_path("decode").read_text().splitlines() if "mapped prefill pool" in line]
+    assert mapped and all('"backend": "shm"' in line and '"passed_over": []' in line for line in mapped), mapped
+    assert _generate(stack.stub) == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_router_and_worker_refuse_tcp_without_keys(tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     stack = ServiceStack(tmp_path, CACHE_DIR, services=(), PDSERVE_ROUTER_ZMQ_ADDRESS=endpoint)
@@ -185,6 +220,18 @@ def test_router_and_worker_refuse_tcp_without_keys(tmp_path):
             assert f"router.zmq_address {endpoint} is open to the network" in stack.tail(name)
         assert "set router.zmq_secret_key_file and router.zmq_authorized_keys_dir" in stack.tail("router")
         assert "set worker.zmq_secret_key_file and worker.zmq_router_public_key_file" in stack.tail("prefill")
+    finally:
+        stack.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_router_open_to_the_network_without_tls_and_token_refuses_to_start(tmp_path):
+    stack = ServiceStack(tmp_path, CACHE_DIR, services=(), PDSERVE_ROUTER_GRPC_ADDRESS=f"0.0.0.0:{free_port()}")
+    try:
+        stack.start("router")
+        assert stack.processes["router"].wait(timeout=120) == 2, stack.tail("router")
+        assert "router.allow_insecure_network = true" in stack.tail("router")
     finally:
         stack.stop()
 
@@ -293,8 +340,45 @@ def test_config_checks_tls_and_token(tmp_path):
     with pytest.raises(ConfigError, match="the token is empty"):
         check_service(_config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")), "router")
     (tmp_path / "token").write_text(f"{TOKEN}\n")
-    assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_token() == TOKEN
-    assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_token() == TOKEN
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN_FILE=str(tmp_path / "token")).router.bearer_tokens() == {TOKEN: ""}
+    assert _config(PDSERVE_ROUTER_AUTH_TOKEN=TOKEN).router.bearer_tokens() == {TOKEN: ""}
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "127.8.0.1:1", "[::1]:1", "localhost:1", "unix:/run/x.sock"])
+def test_loopback_addresses_need_no_tls_or_token(address):
+    assert is_loopback(address)
+    check_service(_config(PDSERVE_ROUTER_GRPC_ADDRESS=address), "stack")
+
+
+def test_serving_beyond_loopback_needs_tls_and_a_token_or_the_explicit_setting(tmp_path):
+    for name in ("cert.pem", "key.pem", "token"):
+        (tmp_path / name).write_text("x\n")
+    tls = {"PDSERVE_ROUTER_TLS_CERT_FILE": str(tmp_path / "cert.pem"), "PDSERVE_ROUTER_TLS_KEY_FILE": str(tmp_path / "key.pem")}
+    token = {"PDSERVE_ROUTER_AUTH_TOKEN_FILE": str(tmp_path / "token")}
+    for exposed, named in (({"PDSERVE_ROUTER_GRPC_ADDRESS": "0.0.0.0:50051"}, "router.grpc_address 0.0.0.0:50051"),
+                           ({"PDSERVE_ROUTER_HTTP_ADDRESS": "[::]:8000"}, "router.http_address [::]:8000"),
+                           ({"PDSERVE_ROUTER_GRPC_ADDRESS": "192.0.2.7:50051"}, "router.grpc_address 192.0.2.7"),
+                           ({"PDSERVE_ROUTER_GRPC_ADDRESS": "myhost:50051"}, "router.grpc_address myhost")):
+        for service in ("router", "stack"):
+            for partial, missing in (({}, "without TLS"), (tls, "without a bearer token"), (token, "without TLS")):
+                with pytest.raises(ConfigError, match=f"{re.escape(named)}.*{missing}.*router.allow_insecure_network"):
+                    check_service(_config(**exposed, **partial), service)
+            check_service(_config(**exposed, **tls, **token), service)
+            check_service(_config(**exposed, PDSERVE_ROUTER_ALLOW_INSECURE_NETWORK="true"), service)
+
+
+def test_config_checks_the_admin_token(tmp_path):
+    (tmp_path / "admin").write_text("\n")
+    with pytest.raises(ConfigError, match="router.admin_token_file: the token is empty"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin")), "router")
+    (tmp_path / "admin").write_text(f"{TOKEN}\n")
+    with pytest.raises(ConfigError, match="give admin calls a token of their own"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin"), PDSERVE_ROUTER_AUTH_TOKEN=TOKEN),
+                      "router")
+    with pytest.raises(ConfigError, match="router.admin_token_file: cannot read"):
+        check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "missing")), "router")
+    check_service(_config(PDSERVE_ROUTER_ADMIN_TOKEN_FILE=str(tmp_path / "admin"), PDSERVE_ROUTER_AUTH_TOKEN="other"),
+                  "router")
 
 
 # ---- TLS and the bearer token on gRPC ----
@@ -356,6 +440,34 @@ def test_calls_without_the_right_token_are_unauthenticated(tls_stack, metadata):
             call()
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
     assert _generate(stub, BEARER) == 3  # refused calls left nothing behind
+
+
+def _drain_unknown_worker(stack: ServiceStack, metadata) -> grpc.RpcError:
+    """What Admin.Drain answers for a worker that does not exist: NOT_FOUND only past the admin check,
+    so no worker of the shared stack is drained."""
+    with pytest.raises(grpc.RpcError) as error:
+        generation_pb2_grpc.AdminStub(stack.channel).Drain(generation_pb2.DrainRequest(worker_id="decode-9"),
+                                                           timeout=10, metadata=metadata)
+    return error.value
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_admin_calls_take_the_admin_token_and_not_the_generation_token(tls_stack):
+    for metadata in ([], BEARER, [("authorization", "Bearer wrong-token")]):
+        refused = _drain_unknown_worker(tls_stack, metadata)
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert "router.admin_token_file" in refused.details()
+    assert _drain_unknown_worker(tls_stack, tls_stack.admin_bearer).code() == grpc.StatusCode.NOT_FOUND
+    assert sorted(w.worker_id for w in tls_stack.workers()) == ["decode-0", "prefill-0"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_admin_calls_are_refused_without_an_admin_token_configured(curve_stack):
+    refused = _drain_unknown_worker(curve_stack, [])
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "set router.admin_token_file" in refused.details()
 
 
 @pytest.mark.e2e

@@ -3,8 +3,10 @@
 Each host is a network namespace of this test's own (joined by one veth pair, addresses in
 198.18.0.0/30, a range kept for benchmarks, with no route anywhere else) and a mount namespace
 with a /dev/shm of its own, so neither host sees the other's memory. The control plane is
-tcp:// with CURVE and kv.transfer is auto: the decode finds no shared-memory segment of the
-prefill on its host and reads the pages by NIXL, UCX on TCP over the veth. A client on host B
+tcp:// with CURVE and kv.transfer is auto: the router offers the decode the prefill's
+shared-memory segment, which it cannot find on its host, and then NIXL, by which it reads the
+pages, UCX on TCP over the veth: the interface each worker reaches the router's host by, where the
+agents listen (kv.nixl_net_devices unset, and no UCX_NET_DEVICES). A client on host B
 checks the answers token for token against transformers. The namespaces are removed at the end,
 also on failure. Needs root, `ip` and `unshare`."""
 
@@ -25,6 +27,7 @@ import pytest
 from services.stack.supervisor import Service, Supervisor
 from shared.kv.transfer.nixl_agent import nixl_module
 from tests.conftest import CACHE_DIR
+from tests.listeners import listening_sockets
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import REPO
 from tests.test_security import _curve_keys, _curve_settings, _worker_key
@@ -128,13 +131,17 @@ def test_a_prefill_on_another_host_hands_kv_over_by_nixl_token_exact(tmp_path, c
                        **(_worker_key(keys, name) if name != "router" else {}),
                        "PDSERVE_ROUTER_GRPC_ADDRESS": "127.0.0.1:50051", "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path / host),
                        "PDSERVE_MODEL_CACHE_DIR": CACHE_DIR, "PDSERVE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1",
-                       "PDSERVE_KV_TRANSFER": "auto", "UCX_TLS": "tcp", "UCX_NET_DEVICES": veth}
+                       "PDSERVE_KV_TRANSFER": "auto", "UCX_TLS": "tcp"}
+                env.pop("UCX_NET_DEVICES", None)
                 supervisor.start(Service(name, f"services.{name}", (), env, tmp_path / f"{name}.log",
                                          wrapper=on_host(namespace)))
             client = subprocess.run([*on_host(hosts["b"][0]), sys.executable, "-c", _CLIENT, "127.0.0.1:50051",
                                      str(MAX_TOKENS), json.dumps(prompts)],
                                     cwd=REPO, capture_output=True, text=True, timeout=600)
             assert client.returncode == 0, client.stderr[-3000:] + _tails(tmp_path)
+            for name, host in (("prefill", HOST_A), ("decode", HOST_B)):  # metrics on loopback, NIXL on the veth
+                sockets = listening_sockets(supervisor.processes[name].pid)
+                assert {str(address) for address, _ in sockets} == {"127.0.0.1", host}, (name, sockets)
         finally:
             codes = supervisor.stop(20.0)
     report = json.loads(client.stdout.strip().splitlines()[-1])
@@ -142,9 +149,11 @@ def test_a_prefill_on_another_host_hands_kv_over_by_nixl_token_exact(tmp_path, c
         expected, logits = reference_greedy(reference_model, prompt, MAX_TOKENS)
         assert_matches_reference(report["answers"][str(i)], expected, logits, f"prompt {i} across hosts")
     assert all(free == total and reserved == 0 for free, total, reserved in report["pools"].values()), report
-    mapped = [json.loads(line) for line in (tmp_path / "decode.log").read_text().splitlines()
-              if '"mapped prefill pool"' in line]
-    assert [(m["backend"], m["passed_over"][0].startswith("shm:")) for m in mapped] == [("nixl", True)]
+    decode_log = [json.loads(line) for line in (tmp_path / "decode.log").read_text().splitlines()
+                  if line.startswith("{")]
+    pools = [(e["event"], e.get("backend")) for e in decode_log if "prefill pool" in e["event"]]
+    assert pools == [("cannot map prefill pool", None), ("mapped prefill pool", "nixl")], pools
+    assert '"offering NIXL' in (tmp_path / "router.log").read_text()
     assert codes == {"router": 0, "decode": 0, "prefill": 0}, codes
 
 

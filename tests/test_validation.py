@@ -1,6 +1,7 @@
 """services/router/validation.py: every malformed GenerateRequest is an InvalidRequest, and the
 defaults of the unset fields are applied."""
 
+import dataclasses
 import math
 
 import pytest
@@ -57,6 +58,7 @@ SHAPE_ERRORS = {
     "too many stop strings": dict(prompt="hi", stop=[str(i) for i in range(17)]),
     "request id too long": dict(prompt="hi", request_id="r" * 257),
     "too many chat messages": dict(messages=[("user", "")] * (RouterConfig().max_chat_messages + 1)),
+    "cache salt too long": dict(prompt="hi", cache_salt="s" * 257),
 }
 
 
@@ -220,5 +222,18 @@ def test_the_largest_values_taken_are_kept_whole_and_go_over_the_wire():
     seed is the client's, not masked to 63 bits."""
     built = job(top_k=LIMITS.vocab_size, seed=MAX_SEED, max_tokens=LIMITS.max_context)
     assert (built.sampling.top_k, built.sampling.seed) == (LIMITS.vocab_size, MAX_SEED)
-    task = PrefillTask("r", built.prompt_token_ids, built.sampling, built.stop, 0.0)
+    task = PrefillTask("r", built.prompt_token_ids, built.cache_salt, built.sampling, built.stop, 0.0)
     assert wire.decode(wire.encode(task)) == task
+
+
+def test_the_cache_salt_is_the_tokens_and_the_requests_own_told_apart():
+    """Neither: no salt, so unsalted prompts share pages as ever. Both: the token's length-prefixed,
+    so a client cannot make its own salt equal another token's ("ab" + "c" is not "a" + "bc")."""
+    def salt(token_salt: str, **fields) -> str:
+        given = dataclasses.replace(request(prompt_token_ids=PROMPT_IDS, **fields), token_salt=token_salt)
+        return build_job(given, PROMPT_IDS, LIMITS).cache_salt
+
+    assert salt("") == salt("", cache_salt="") == ""
+    assert salt("", cache_salt="s" * 256) == "0:" + "s" * 256
+    assert salt("team-a") == "6:team-a"
+    assert len({salt("ab", cache_salt="c"), salt("a", cache_salt="bc"), salt("", cache_salt="abc"), salt("abc")}) == 4

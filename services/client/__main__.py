@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.config import default_runtime_dir, env_name
+from shared.runtime.admin_token import local_admin_token_path
 
 
 def _generate(channel, args) -> int:
@@ -42,11 +45,20 @@ def _workers(channel, args) -> int:
     return 0
 
 
+def _admin_token(path: str | None) -> str:
+    """The token of --admin-token-file, else of the runtime folder's admin-token that `make run`
+    writes, else none (the router's refusal then says how to configure one)."""
+    if path:
+        return Path(path).read_text().strip()
+    default = local_admin_token_path(os.environ.get(env_name("router", "runtime_dir")) or default_runtime_dir())
+    return default.read_text().strip() if default.is_file() else ""
+
+
 def _drain(channel, args) -> int:
     stub = generation_pb2_grpc.AdminStub(channel)
     try:
         stub.Drain(generation_pb2.DrainRequest(worker_id=args.worker_id), timeout=args.timeout,
-                   metadata=args.metadata)
+                   metadata=args.admin_metadata)
     except grpc.RpcError as exc:
         print(f"pdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -60,6 +72,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--tls-ca", metavar="FILE", help="connect over TLS, trusting this PEM CA certificate")
     parser.add_argument("--token-file", metavar="FILE", help="send the bearer token this file holds")
+    parser.add_argument("--admin-token-file", metavar="FILE",
+                        help="on admin calls (drain), send the token this file holds; default: admin-token in the "
+                             "runtime folder (PDSERVE_ROUTER_RUNTIME_DIR, else the default), which `make run` writes")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="stream an answer to a chat message")
     generate.add_argument("text")
@@ -76,9 +91,11 @@ def main() -> int:
     try:
         ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
         token = Path(args.token_file).read_text().strip() if args.token_file else ""
+        admin = _admin_token(args.admin_token_file) if args.command == "drain" else ""
     except OSError as exc:
         parser.error(str(exc))
     args.metadata = [("authorization", f"Bearer {token}")] if token else []
+    args.admin_metadata = [("authorization", f"Bearer {admin}")] if admin else []
     channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(ca)) if ca else \
         grpc.insecure_channel(args.address)
     with channel:

@@ -27,6 +27,8 @@ from shared.control.messages import DecodeTask, KvPoolHandle
 from shared.kv.pages import pages_for
 from shared.kv.pool import PagedKvPool
 from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
+from shared.kv.transfer.nixl import NixlBackend
+from shared.kv.transfer.nixl_network import LOOPBACK
 
 log = structlog.get_logger()
 
@@ -37,15 +39,18 @@ class HandoffError(RuntimeError):
 
 class KvPuller:
     def __init__(self, local: PagedKvPool, scratch_page: int, free_pages: Callable[[list[int]], None],
-                 transfer_timeout_s: float = KvConfig.transfer_timeout_s, transfer: str = KvConfig.transfer):
+                 transfer_timeout_s: float = KvConfig.transfer_timeout_s, transfer: str = KvConfig.transfer,
+                 nixl_net_devices: str = LOOPBACK):
         """scratch_page: a page of local that the backends may overwrite (to warm up the transfer
         from a newly opened pool before a request needs it); free_pages: gives pages back to the
-        decode's allocator; transfer: kv.transfer, the kinds this decode pulls with."""
+        decode's allocator; transfer: kv.transfer, the kinds this decode pulls with;
+        nixl_net_devices: where its NIXL agent, if it needs one, listens (shared/kv/transfer/nixl_network.py)."""
         self.local = local
         self.scratch_page = scratch_page
         self.free_pages = free_pages
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer = transfer
+        self.nixl_net_devices = nixl_net_devices
         self.backends: dict[type[Backend], Backend] = {}
         self.sources: dict[str, Source] = {}
         self.offered: dict[str, list[KvPoolHandle]] = {}  # prefill id -> the handles its pool came with
@@ -91,7 +96,8 @@ class KvPuller:
     def _backend(self, handle: KvPoolHandle) -> Backend:
         kind = backend_for(handle, self.local.kv.device)
         if kind not in self.backends:
-            self.backends[kind] = kind(self.local, self.scratch_page)
+            network = (self.nixl_net_devices,) if kind is NixlBackend else ()
+            self.backends[kind] = kind(self.local, self.scratch_page, *network)
         return self.backends[kind]
 
     def unmap_pool(self, prefill_worker_id: str) -> None:

@@ -43,6 +43,7 @@ from shared.kernels.device import on_stream, worker_stream
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.kv.transfer import TransferState
+from shared.kv.transfer.nixl_network import nixl_net_devices
 from shared.model.sampling import sample
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
@@ -82,7 +83,8 @@ class DecodeWorker(WorkerLoop):
         self.allocator = PageAllocator(config.kv.decode_pages)
         self.scratch_page = config.kv.decode_pages
         self.puller = KvPuller(self.pool, self.scratch_page, self.allocator.free, config.kv.transfer_timeout_s,
-                               config.kv.transfer)
+                               config.kv.transfer, nixl_net_devices(config.kv.nixl_net_devices,
+                                                                    config.router.zmq_endpoint()))
         stream = worker_stream(model.device, high_priority=True)
         # The most pages one request can hold: its whole context, within the pool.
         max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)

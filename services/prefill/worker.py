@@ -33,6 +33,7 @@ from shared.kernels.device import on_stream, worker_stream
 from shared.kv.page_keys import page_keys
 from shared.kv.pages import pages_for
 from shared.kv.transfer import export_pool
+from shared.kv.transfer.nixl_network import nixl_net_devices
 from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
 from shared.runtime import metrics
@@ -65,7 +66,8 @@ class PrefillWorker(WorkerLoop):
         self.page_size = layout.page_size
         # Decodes may be on other hosts only where the control plane is tcp:// (choice.py).
         cross_host = config.router.zmq_endpoint().startswith("tcp://") and not colocated
-        self.exported = export_pool(layout, config.prefill.worker_id, model.device, config.kv.transfer, cross_host)
+        self.exported = export_pool(layout, config.prefill.worker_id, model.device, config.kv.transfer, cross_host,
+                                    nixl_net_devices(config.kv.nixl_net_devices, config.router.zmq_endpoint()))
         self.cache = PrefixCache(layout.num_pages, layout.page_size)
         self.use_cache = config.prefill.prefix_cache
         self.waiting: deque[Queued] = deque()
@@ -154,7 +156,7 @@ class PrefillWorker(WorkerLoop):
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.cache.num_pages}"))
             return
-        keys = page_keys(task.prompt_token_ids, self.page_size) if self.use_cache else []
+        keys = page_keys(task.prompt_token_ids, self.page_size, task.cache_salt) if self.use_cache else []
         self.waiting.append(Queued(task, keys))
 
     def _on_release(self, message: ReleaseKv) -> None:

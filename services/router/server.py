@@ -90,7 +90,8 @@ async def serve(config: Config) -> int:
     prompts = PromptTokenizer(tokenizer, limits, config.router.max_concurrent_tokenizations,
                               config.router.admission_timeout_s)
     frontend = Frontend(router, prompts, config.router.stall_timeout_s)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend, slots), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(frontend, slots,
+                                                                           bearer_token(config.router)), server)
     generation_pb2_grpc.add_AdminServicer_to_server(AdminService(router), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -22,6 +22,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_SEED = (1 << 64) - 1  # GenerateRequest's seed is a uint64, and the sampler uses all of its bits
+MAX_CACHE_SALT_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -49,6 +50,10 @@ class GenerateInput:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str | None = None
+    # Not the client's: the salt of the bearer token the call came with (router.auth_token_file),
+    # which the front fills in.
+    token_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Job:
     sampling: SamplingParams
     stop: StopParams
     stop_strings: list[str]
+    cache_salt: str = ""  # the prefix-cache keys' salt (shared/kv/page_keys.py); "": none
 
 
 def quoted(value: object) -> str:
@@ -101,6 +107,16 @@ def _stop_strings(request: GenerateInput) -> list[str]:
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequest(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters")
     return stops
+
+
+def cache_salt(request: GenerateInput) -> str:
+    """The salt of the job's prefix-cache keys: the token's and the request's own, the first
+    length-prefixed so that no two pairs make one salt; "" when neither is set, so that unsalted
+    prompts share their pages as before."""
+    own = request.cache_salt or ""
+    if len(own) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters")
+    return f"{len(request.token_salt)}:{request.token_salt}{own}" if request.token_salt or own else ""
 
 
 def _prompt_bytes(request: GenerateInput) -> int:
@@ -141,6 +157,7 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
     _check_max_tokens(request.max_tokens, limits)
     _sampling(request, limits)
     _stop_strings(request)
+    cache_salt(request)
 
 
 def _check_max_tokens(max_tokens: int | None, limits: ModelLimits) -> None:
@@ -167,4 +184,5 @@ def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: Model
         sampling=_sampling(request, limits),
         stop=StopParams(max_tokens=min(wanted, room), ignore_eos=request.ignore_eos),
         stop_strings=_stop_strings(request),
+        cache_salt=cache_salt(request),
     )

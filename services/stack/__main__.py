@@ -8,6 +8,10 @@ restarted with a backoff, and one that crash-loops or is refused by the router s
 with exit code 1; Ctrl-C or SIGTERM stops them all (Supervisor.stop) and exits 0. Each service
 dies with its parent (shared.runtime.process.die_with_parent), so none is orphaned even if this one is
 killed.
+
+Admin calls (`pdserve drain`) need router.admin_token_file: when it is unset, the router gets the
+runtime folder's admin token, made here if missing (shared/runtime/admin_token.py), which
+`pdserve drain` reads from there by default.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ import structlog
 
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import plan_workers
-from shared.config import ConfigError
+from shared.config import Config, ConfigError, flag_name
+from shared.runtime.admin_token import ensure_local_admin_token
 from shared.runtime.log import configure_logging
 from shared.runtime.service_config import parse_service_config
 
 log = structlog.get_logger()
+
+
+def _admin_token_args(config: Config) -> tuple[str, ...]:
+    if config.router.admin_token_file:
+        return ()
+    path = ensure_local_admin_token(config.router.runtime_dir)
+    log.info("admin token for pdserve drain", path=str(path))
+    return (flag_name("router", "admin_token_file"), str(path))
 
 
 def main() -> int:
@@ -39,7 +52,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: supervisor.request_stop())
     args = tuple(sys.argv[1:])
-    supervisor.start(Service("router", "services.router", args))
+    supervisor.start(Service("router", "services.router", (*args, *_admin_token_args(config))))
     for worker in workers:
         log.info("starting worker", worker=worker.name, device=worker.device, cores=list(worker.cores),
                  metrics=worker.metrics_address)

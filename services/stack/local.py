@@ -31,6 +31,8 @@ from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import ROLES, WorkerPlan, plan_workers
 from shared.config import env_name, load_config
 from shared.control.messages import Role
+from shared.runtime.admin_token import ensure_local_admin_token
+from shared.runtime.runtime_dir import prepare_runtime_dir
 
 SERVICES = ("router", "prefill", "decode")
 SHM_CLEANUP_S = 5.0  # a killed worker's segment is unlinked by its resource tracker, a moment later
@@ -40,6 +42,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _admin_token_file(runtime_dir: Path) -> Path:
+    prepare_runtime_dir(str(runtime_dir))
+    return ensure_local_admin_token(str(runtime_dir))
 
 
 def service_name(name: str) -> str:
@@ -81,6 +88,9 @@ class LocalStack:
         self.services = services
         self.service_env = service_env or {}
         self.address = f"127.0.0.1:{free_port()}"
+        admin_token = env_name("router", "admin_token_file")
+        if admin_token not in settings:  # as `make run` gives one (services/stack/__main__.py)
+            settings = {admin_token: str(_admin_token_file(workdir / "run")), **settings}
         self.env = {
             **os.environ,
             "PDSERVE_ROUTER_GRPC_ADDRESS": self.address,
@@ -178,8 +188,14 @@ class LocalStack:
 
     @property
     def bearer(self) -> list[tuple[str, str]]:
-        """Call metadata with the stack's bearer token (router.auth_token or auth_token_file); none without one."""
-        token = self.config.router.bearer_token()
+        """Call metadata with the stack's (first) bearer token (router.auth_token or auth_token_file); none without one."""
+        token = next(iter(self.config.router.bearer_tokens()), "")
+        return [("authorization", f"Bearer {token}")] if token else []
+
+    @property
+    def admin_bearer(self) -> list[tuple[str, str]]:
+        """Call metadata with the stack's admin token (router.admin_token_file), for Admin calls."""
+        token = self.config.router.admin_token()
         return [("authorization", f"Bearer {token}")] if token else []
 
     def workers(self) -> list:

@@ -47,7 +47,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
@@ -228,6 +228,9 @@ class KvCacheEvents:
 class PrefillTask:
     request_id: str
     prompt_token_ids: list[int]
+    # Salts the prompt's prefix-cache keys (shared/kv/page_keys.py): pages are shared only between
+    # prompts of one salt, so a client cannot tell from cached tokens what others sent. "": none.
+    cache_salt: str
     sampling: SamplingParams
     stop: StopParams
     sent_at: float  # wall clock (time.time) when the router sent it: the prefill queue starts here

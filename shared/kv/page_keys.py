@@ -4,6 +4,10 @@ A page's key covers every token before its end: key(i) = hash(key(i-1), the page
 prompts share the key of page i exactly when they share their first (i+1) * page_size tokens. The
 hash is BLAKE2b over fixed-width bytes, the same in every process (Python's hash() is salted per
 process). A partly filled last page has no key: only full pages are cached and shared.
+
+A request's cache salt (vLLM's cache_salt: its own, and its bearer token's) starts the chain in
+place of the empty key(-1), so prompts of different salts share no key and no page; without a
+salt the keys are as they always were.
 """
 
 from __future__ import annotations
@@ -12,12 +16,18 @@ import array
 import hashlib
 
 DIGEST_BYTES = 16  # 128 bits: a collision would hand one prompt another's KV, so not fewer
+SALT_PERSON = b"pdserve-salt"  # BLAKE2b's personalization: a salt's hash is never a page's
 
 
-def page_keys(token_ids: list[int], page_size: int) -> list[str]:
-    keys, parent = [], b""
+def page_keys(token_ids: list[int], page_size: int, salt: str = "") -> list[str]:
+    keys, parent = [], _chain_start(salt)
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         tokens = array.array("q", token_ids[start:start + page_size]).tobytes()
         parent = hashlib.blake2b(parent + tokens, digest_size=DIGEST_BYTES).digest()
         keys.append(parent.hex())
     return keys
+
+
+def _chain_start(salt: str) -> bytes:
+    """The key before the first page: empty without a salt, else the salt's own hash."""
+    return hashlib.blake2b(salt.encode(), digest_size=DIGEST_BYTES, person=SALT_PERSON).digest() if salt else b""

@@ -9,13 +9,14 @@ router's public key). A bad file stops the service at start with a one-line reas
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from pathlib import Path
 
 import zmq
 import zmq.auth
 
-from shared.config import Config, ConfigError, add_config_arguments, load_config
+from shared.config import Config, ConfigError, RouterConfig, add_config_arguments, load_config
 from shared.control.curve import KeyPolicy, needs_curve
 from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir
 
@@ -40,6 +41,8 @@ def check_service(config: Config, service: str) -> None:
     curve = needs_curve(endpoint)
     if curve and not zmq.has("curve"):
         raise ConfigError(f"router.zmq_address {endpoint} needs CURVE, which this libzmq lacks")
+    if service in ("router", "stack"):
+        _check_network_exposure(config.router)
     if service == "router":
         if curve:
             _check_router_keys(config)
@@ -65,6 +68,32 @@ def _check_colocated(config: Config, service: str) -> None:
                           "would hold the GIL its prefill thread needs")
 
 
+def is_loopback(address: str) -> bool:
+    """Whether a "host:port" (or gRPC's "unix:path") serves this host alone; a name other than
+    localhost, or an empty host (every interface), counts as the network."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_network_exposure(router: RouterConfig) -> None:
+    exposed = [f"router.{name} {getattr(router, name)}" for name in ("grpc_address", "http_address")
+               if getattr(router, name) and not is_loopback(getattr(router, name))]
+    missing = [what for what, present in (("TLS (router.tls_cert_file)", router.tls_cert_file),
+                                          ("a bearer token (router.auth_token_file)", router.auth_token_file
+                                           or router.auth_token)) if not present]
+    if exposed and missing and not router.allow_insecure_network:
+        raise ConfigError(f"{' and '.join(exposed)}: serving beyond this host without {' and '.join(missing)} "
+                          "lets anyone who reaches it in; set them, serve on 127.0.0.1, or set "
+                          "router.allow_insecure_network = true to serve so anyway (README.md, Security)")
+
+
 def _check_router_keys(config: Config) -> None:
     router = config.router
     _require_keys("the router", router.zmq_endpoint(), "router", router,
@@ -81,13 +110,18 @@ def _check_router_keys(config: Config) -> None:
 
 def _check_router_files(config: Config) -> None:
     router = config.router
-    for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+    for name in ("tls_cert_file", "tls_key_file", "auth_token_file", "admin_token_file"):
         path = getattr(router, name)
         if path and not (Path(path).is_file() and os.access(path, os.R_OK)):
             raise ConfigError(f"router.{name}: cannot read the file {path}")
-    if (router.auth_token_file or router.auth_token) and not router.bearer_token():
+    if (router.auth_token_file or router.auth_token) and not router.bearer_tokens():
         source = "auth_token_file" if router.auth_token_file else "auth_token"
         raise ConfigError(f"router.{source}: the token is empty")
+    if router.admin_token_file and not router.admin_token():
+        raise ConfigError("router.admin_token_file: the token is empty")
+    if router.admin_token_file and router.admin_token() in router.bearer_tokens():
+        raise ConfigError("router.admin_token_file holds the generation token (router.auth_token_file or "
+                          "auth_token): give admin calls a token of their own")
 
 
 def _require_keys(who: str, endpoint: str, section: str, values: object, fields: tuple[str, ...]) -> None:

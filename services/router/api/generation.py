@@ -7,6 +7,7 @@ import structlog
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.router.api.admin import list_workers
+from services.router.api.auth import BearerToken, authorization
 from services.router.api.request_slots import RequestSlots
 from services.router.control.request import RequestError
 from services.router.frontend import Chunk, Frontend, StreamStalled
@@ -14,7 +15,8 @@ from services.router.validation import ChatMessage, GenerateInput, InvalidReques
 from shared.runtime.metrics import RequestTimer
 
 
-def generate_input(request: generation_pb2.GenerateRequest) -> GenerateInput:
+def generate_input(request: generation_pb2.GenerateRequest, token_salt: str = "") -> GenerateInput:
+    """token_salt: the cache salt of the bearer token the call came with (auth.py)."""
     def given(name: str):
         return getattr(request, name) if request.HasField(name) else None
 
@@ -23,7 +25,8 @@ def generate_input(request: generation_pb2.GenerateRequest) -> GenerateInput:
         messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids), max_tokens=given("max_tokens"),
         temperature=given("temperature"), top_p=given("top_p"), top_k=given("top_k"), seed=given("seed"),
-        stop=tuple(request.stop), ignore_eos=request.ignore_eos)
+        stop=tuple(request.stop), ignore_eos=request.ignore_eos, cache_salt=given("cache_salt"),
+        token_salt=token_salt)
 
 
 def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
@@ -38,9 +41,11 @@ def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, slots: RequestSlots):
+    def __init__(self, frontend: Frontend, slots: RequestSlots, token: BearerToken | None = None):
+        """token: the bearer tokens, whose cache salts the calls take (the interceptor admitted them)."""
         self.frontend = frontend
         self.slots = slots
+        self.token = token
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         """The slot goes back before an error status is sent: a status waits behind the chunks a
@@ -58,8 +63,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _stream(self, request, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
         """Streams the request's chunks; returns the status it failed with, None if it did not."""
         timer = RequestTimer(context.time_remaining)
+        token_salt = self.token.cache_salt(authorization(context.invocation_metadata())) if self.token else ""
         try:
-            generation = await self.frontend.start(generate_input(request), timer)
+            generation = await self.frontend.start(generate_input(request, token_salt), timer)
             async with generation:
                 async for chunk in generation:
                     await generation.deliver(context.write(_response(generation.label, chunk)))

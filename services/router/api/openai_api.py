@@ -15,6 +15,7 @@ the same failure gets over gRPC (openai_errors.py has the table).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -57,9 +58,10 @@ class GenerationResponse(StreamingResponse):
     its pages. Errors before the first byte get their HTTP status; a stream that fails later ends
     with an error event, which the openai client raises as an APIError."""
 
-    def __init__(self, frontend: Frontend, body: GenerateBody, label: str):
+    def __init__(self, frontend: Frontend, body: GenerateBody, label: str, token_salt: str):
+        """token_salt: the cache salt of the caller's bearer token (auth.py)."""
         super().__init__(content=(), media_type="text/event-stream")
-        self.frontend, self.body, self.label = frontend, body, label
+        self.frontend, self.body, self.label, self.token_salt = frontend, body, label, token_salt
 
     async def stream_response(self, send: Send) -> None:
         with structlog.contextvars.bound_contextvars(label=self.label):
@@ -67,7 +69,8 @@ class GenerationResponse(StreamingResponse):
 
     async def _respond(self, send: Send) -> None:
         try:
-            generation = await self.frontend.start(self.body.to_input(self.label), RequestTimer())
+            request = dataclasses.replace(self.body.to_input(self.label), token_salt=self.token_salt)
+            generation = await self.frontend.start(request, RequestTimer())
         except (InvalidRequest, RequestError) as exc:
             await _send_whole(send, errors.response(exc))
             return
@@ -107,6 +110,10 @@ def create_app(frontend: Frontend, model_name: str, token: BearerToken | None, m
         if body.model != model_name:
             raise errors.UnknownModel(body.model, model_name)
 
+    def generation(body: GenerateBody, request: Request) -> GenerationResponse:
+        token_salt = token.cache_salt(request.headers.get("authorization")) if token is not None else ""
+        return GenerationResponse(frontend, body, request.headers.get("x-request-id", ""), token_salt)
+
     # Starlette refuses a body above the limit (413, by its Content-Length or as it counts the bytes),
     # as gRPC does one above router.max_request_bytes; the docs and OpenAPI schema: not part of the API.
     app = FastAPI(title="pdserve", max_body_size=max_body_bytes, docs_url=None, redoc_url=None, openapi_url=None)
@@ -128,12 +135,12 @@ def create_app(frontend: Frontend, model_name: str, token: BearerToken | None, m
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body)
-        return GenerationResponse(frontend, body, request.headers.get("x-request-id", ""))
+        return generation(body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body)
-        return GenerationResponse(frontend, body, request.headers.get("x-request-id", ""))
+        return generation(body, request)
 
     app.include_router(v1)
     return app

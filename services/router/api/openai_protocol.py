@@ -4,7 +4,8 @@ gRPC API's terms) and what its answers look like.
 Fields other servers or newer API versions add are ignored, as OpenAI's own API ignores them. What
 pdserve cannot honour is refused with the field named, rather than answered with less than was
 asked: more than one choice (`n`), log probabilities, a batch of prompts, content other than text.
-`top_k` and `ignore_eos` are not OpenAI's but vLLM's and SGLang's, which benchmark tools send.
+`top_k`, `ignore_eos` and `cache_salt` are not OpenAI's but vLLM's (and SGLang's), which benchmark
+tools send.
 Values are parsed strictly, as JSON types them: `"stream": "yes"`, `"max_tokens": true` or `"n": "1"`
 are refused, not coerced. The `developer` role, which current OpenAI clients send for instructions,
 is the chat template's `system`.
@@ -49,6 +50,7 @@ class _GenerateBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = None  # vLLM's: prompts share prefix-cache pages only within one salt
 
     @field_validator("n")
     @classmethod
@@ -61,7 +63,7 @@ class _GenerateBody(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return GenerateInput(request_id=label, max_tokens=max_tokens, temperature=self.temperature,
                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
-                             ignore_eos=self.ignore_eos, **given)
+                             ignore_eos=self.ignore_eos, cache_salt=self.cache_salt, **given)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

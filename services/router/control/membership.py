@@ -5,7 +5,9 @@ heartbeat, and a worker that hears Reregister drops all it held before registeri
 worker's CURVE key decides which worker ids and roles it may register as (registration.py). A
 worker is dropped when it deregisters, registers again, goes silent past router.heartbeat_timeout_s,
 reports its main loop stuck past router.progress_timeout_s, or a send finds its connection gone.
-Heartbeats list what each worker holds, and the router aborts what it no longer knows.
+Heartbeats list what each worker holds, and the router aborts what it no longer knows. Every
+decode hears of every prefill's pool (PoolAvailable), but of a NIXL handle only once it has shown
+that it runs on another host (first_offer).
 
 The request's stages (token_router.py) hear of membership only through the callbacks they pass in,
 so this module never imports them:
@@ -37,6 +39,7 @@ from shared.control.messages import (
     Draining,
     Heartbeat,
     KvCacheEvents,
+    KvPoolHandle,
     PoolAvailable,
     PoolGone,
     PoolUnreachable,
@@ -49,6 +52,21 @@ from shared.control.messages import (
 from shared.runtime import metrics
 
 log = structlog.get_logger()
+
+NIXL = "nixl"  # KvPoolHandle.backend of a pool offered over NIXL (shared/kv/transfer/nixl.py)
+
+
+def first_offer(handles: list[KvPoolHandle]) -> list[KvPoolHandle]:
+    """A prefill's handles as a decode first gets them. One that offers its host's kind and NIXL
+    (kv.transfer auto on a tcp:// stack) is offered without NIXL, whose data plane has no
+    authentication: only a decode that cannot open the host's kind, so runs on another host, gets
+    the NIXL handle, when it says so (PoolUnreachable)."""
+    return [handle for handle in handles if handle.backend != NIXL] or handles
+
+
+def nixl_withheld(handles: list[KvPoolHandle]) -> list[KvPoolHandle]:
+    """The NIXL handles first_offer held back."""
+    return [handle for handle in handles if handle.backend == NIXL] if first_offer(handles) != handles else []
 
 
 @dataclass(frozen=True)
@@ -144,10 +162,10 @@ class Membership:
         metrics.watch_routed(worker)
         if worker.role == Role.PREFILL:
             for decode in self.registry.of_role(Role.DECODE):
-                self.socket.send(decode, PoolAvailable(worker.worker_id, message.pool_handles))
+                self.socket.send(decode, PoolAvailable(worker.worker_id, first_offer(message.pool_handles)))
         else:
             for prefill in self.registry.of_role(Role.PREFILL):
-                self.socket.send(worker, PoolAvailable(prefill.worker_id, prefill.pool_handles))
+                self.socket.send(worker, PoolAvailable(prefill.worker_id, first_offer(prefill.pool_handles)))
         log.info("worker registered", worker=worker.worker_id, role=worker.role, pid=worker.pid,
                  incarnation=worker.incarnation, pages=worker.total_pages)
         self._on_workers_changed(self.serving())
@@ -167,6 +185,14 @@ class Membership:
     def _on_pool_unreachable(self, peer: Peer, message: PoolUnreachable) -> None:
         decode = peer.worker
         if decode is None or decode.role != Role.DECODE:
+            return
+        prefill = self.registry.workers.get(message.prefill_worker_id)
+        withheld = nixl_withheld(prefill.pool_handles) if prefill is not None else []
+        if withheld and prefill.worker_id not in decode.offered_nixl:
+            log.info("offering NIXL: the decode cannot open the prefill's pool on its host", decode=decode.worker_id,
+                     prefill=prefill.worker_id, reason=message.reason)
+            decode.offered_nixl.add(prefill.worker_id)
+            self.socket.send(decode, PoolAvailable(prefill.worker_id, withheld))
             return
         log.warning("pair avoided: the decode cannot pull from the prefill's pool", decode=decode.worker_id,
                     prefill=message.prefill_worker_id, reason=message.reason)

@@ -143,7 +143,7 @@ class InflightRequest:
     def page_keys(self, page_size: int) -> list[str]:
         """The prompt's full pages' keys (shared/kv/page_keys.py), hashed once, when routing first asks."""
         if self._page_keys is None:
-            self._page_keys = page_keys(self.job.prompt_token_ids, page_size)
+            self._page_keys = page_keys(self.job.prompt_token_ids, page_size, self.job.cache_salt)
         return self._page_keys
 
     def holder(self) -> WorkerRecord | None:

@@ -145,8 +145,8 @@ class TokenRouter:
         cannot be sent (admission reserves for the request only once this has returned)."""
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
-        self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling,
-                                                      job.stop, time.time()))
+        self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.cache_salt,
+                                                      job.sampling, job.stop, time.time()))
         self.requests[request.request_id] = request
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:

@@ -30,6 +30,7 @@ class WorkerRecord:
     draining: bool = False    # takes no new work (services/router/control/routing.py skips it)
     cached_keys: set[str] = field(default_factory=set)  # a prefill's prefix cache, as its KvCacheEvents say
     unreachable: dict[str, str] = field(default_factory=dict)  # a decode's prefills it cannot pull from, and why
+    offered_nixl: set[str] = field(default_factory=set)  # a decode's prefills whose withheld NIXL handle it got
     unknown_holding: set[str] = field(default_factory=set)  # held, by its last heartbeat, unknown to the router
     free_pages: int = 0       # as the worker last reported
     running: int = 0
@@ -70,6 +71,7 @@ class WorkerRegistry:
         if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
             for decode in self.of_role(Role.DECODE):
                 decode.unreachable.pop(worker.worker_id, None)
+                decode.offered_nixl.discard(worker.worker_id)
         return worker, old
 
     @staticmethod

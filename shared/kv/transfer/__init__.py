@@ -21,6 +21,7 @@ from shared.kv.transfer.choice import offered_kinds, usable_handles
 from shared.kv.transfer.cuda_ipc import CudaIpcBackend, CudaIpcExport
 from shared.kv.transfer.fake import FakeBackend
 from shared.kv.transfer.nixl import NixlBackend, NixlExport
+from shared.kv.transfer.nixl_network import LOOPBACK
 from shared.kv.transfer.shm import SharedMemoryExport, ShmBackend
 
 __all__ = ["Backend", "Export", "ExportedPool", "Source", "Transfer", "TransferError", "TransferState",
@@ -49,24 +50,26 @@ class ExportedPool:
 
 
 def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str, transfer: str = "auto",
-                cross_host: bool = False) -> ExportedPool:
+                cross_host: bool = False, nixl_net_devices: str = LOOPBACK) -> ExportedPool:
     """The prefill's pool, exported once by the kinds kv.transfer calls for (choice.py); cross_host:
-    decodes may be on other hosts (the control plane is tcp://)."""
+    decodes may be on other hosts (the control plane is tcp://); nixl_net_devices: where a NIXL
+    agent listens (nixl_network.py)."""
     device = torch.device(device)
     exports: list[Export] = []
     try:
         for kind in offered_kinds(transfer, device.type, cross_host):
-            exports.append(_export(kind, layout, name_hint, device, exports[0].pool if exports else None))
+            exports.append(_export(kind, layout, name_hint, device, exports[0].pool if exports else None,
+                                   nixl_net_devices))
     except BaseException:
         ExportedPool(exports).close()
         raise
     return ExportedPool(exports)
 
 
-def _export(kind: str, layout: KvLayout, name_hint: str, device: torch.device, pool) -> Export:
+def _export(kind: str, layout: KvLayout, name_hint: str, device: torch.device, pool, nixl_net_devices: str) -> Export:
     """pool: the pool another kind already exports, which NIXL registers too."""
     if kind == "nixl":
-        return NixlExport(layout, name_hint, device, pool)
+        return NixlExport(layout, name_hint, device, pool, nixl_net_devices)
     exported = CudaIpcExport(layout, device) if kind == "cuda_ipc" else SharedMemoryExport(layout, name_hint)
     local_exports.add(exported)
     return exported

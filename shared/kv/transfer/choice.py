@@ -5,6 +5,8 @@ A prefill offers its one pool by one or more handles, best first (Register.pool_
     nixl            NIXL alone, for decodes on this host too;
     auto            the host's own kind, and NIXL too when the control plane is tcp://: only then
                     may a decode be on another host, since an ipc:// socket reaches this host alone.
+                    The router passes the NIXL handle on only to a decode that cannot open the
+                    host's kind (services/router/control/membership.py, first_offer).
 A decode takes the first handle that its own kv.transfer allows (auto: any) and that opens here.
 That attempt is what tells whether the pair shares a host, not names or addresses: a shared-memory
 segment opens only where the prefill's /dev/shm is (its name carries a random token, so another

@@ -32,6 +32,7 @@ from shared.control.messages import KvLayout, KvPoolHandle
 from shared.kv.pool import PagedKvPool, allocate_local_pool, layout_bytes, shard_regions
 from shared.kv.transfer.base import Backend, Source, Transfer, TransferError, TransferState
 from shared.kv.transfer.nixl_agent import descriptor_ids, memory_of, new_agent, page_regions
+from shared.kv.transfer.nixl_network import LOOPBACK
 
 log = structlog.get_logger()
 
@@ -42,14 +43,15 @@ LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for this agent's own side of a transfer
 class NixlExport:
     """A prefill's pool registered with a NIXL agent. pool: another export's pool to register as
     well (kv.transfer auto: shared memory for the host's decodes, NIXL for the others), which that
-    export owns; None: a pool of its own."""
+    export owns; None: a pool of its own. net_devices: where the agent listens (nixl_network.py)."""
 
-    def __init__(self, layout: KvLayout, name_hint: str, device: torch.device, pool: PagedKvPool | None = None):
+    def __init__(self, layout: KvLayout, name_hint: str, device: torch.device, pool: PagedKvPool | None = None,
+                 net_devices: str = LOOPBACK):
         self._buffer = None
         if pool is None:
             pool, self._buffer = allocate_local_pool(layout, device)
         self.pool = pool
-        self.agent = new_agent(name_hint)
+        self.agent = new_agent(name_hint, net_devices)
         memory = memory_of(pool)
         address, size, kind, device_id = memory
         self._registered = self.agent.register_memory([(address, size, device_id, "")], kind)
@@ -76,9 +78,9 @@ class NixlBackend(Backend):
 
     device_types = ("cpu", "cuda")  # UCX moves host and device memory alike
 
-    def __init__(self, local: PagedKvPool, scratch_page: int):
+    def __init__(self, local: PagedKvPool, scratch_page: int, net_devices: str = LOOPBACK):
         super().__init__(local, scratch_page)
-        self.agent = new_agent("decode")
+        self.agent = new_agent("decode", net_devices)
         memory = memory_of(local)
         address, size, self.kind, device_id = memory
         self._registered = self.agent.register_memory([(address, size, device_id, "")], self.kind)

@@ -22,6 +22,7 @@ import numpy as np
 
 from shared.kv.pool import PagedKvPool, layout_bytes, shard_regions
 from shared.kv.transfer.base import TransferError
+from shared.kv.transfer.nixl_network import use_net_devices
 
 MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 PROGRESS_WAKEUP_US = 1000
@@ -36,9 +37,11 @@ def nixl_module() -> ModuleType:
     raise TransferError("the NIXL package is not installed: pip install nixl-cu12 (CUDA 12 or CPU) or nixl-cu13")
 
 
-def new_agent(name_hint: str):
-    """An agent named uniquely per process start: a restarted peer is another agent, never a stale one."""
+def new_agent(name_hint: str, net_devices: str):
+    """An agent named uniquely per process start: a restarted peer is another agent, never a stale
+    one; it listens on net_devices alone (nixl_network.py)."""
     nixl = nixl_module()
+    use_net_devices(net_devices)
     bindings = importlib.import_module(f"{nixl.__name__}._bindings")
     wrapper = importlib.import_module(f"{nixl.__name__}._api")
     base = bindings.nixlAgentConfig
