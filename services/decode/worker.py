@@ -166,8 +166,8 @@ class DecodeWorker(WorkerLoop):
 
     def _on_task(self, task: DecodeTask) -> None:
         try:
-            pages = self.allocator.allocate(
-                decode_pages_needed(task.num_tokens, task.stop.max_tokens, self.pool.layout.page_size))
+            pages = self.allocator.allocate(decode_pages_needed(
+                task.num_tokens, task.stop.max_tokens - task.generated, self.pool.layout.page_size))
         except PoolExhausted as exc:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return
@@ -177,8 +177,8 @@ class DecodeWorker(WorkerLoop):
             self.allocator.free(pages)
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
-        request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1, task.sampling,
-                                  task.stop)
+        request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, task.generated + 1,
+                                  task.sampling, task.stop)
         if transfer.stream_ordered or transfer.state is TransferState.DONE:
             self.waiting.append(request)
         else:

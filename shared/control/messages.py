@@ -47,7 +47,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
@@ -231,6 +231,10 @@ class PrefillTask:
     sampling: SamplingParams
     stop: StopParams
     sent_at: float  # wall clock (time.time) when the router sent it: the prefill queue starts here
+    # Output tokens the request already streamed, the tail of prompt_token_ids: non-zero for a
+    # request moved off a failed decode (request migration). The token sampled here is output
+    # number generated + 1, seeded and counted against max_tokens as such.
+    generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ class DecodeTask:
     first_token_id: int
     sampling: SamplingParams
     stop: StopParams
+    generated: int = 0  # PrefillTask.generated: output tokens before first_token_id, in the prompt's tail
 
 
 @dataclass(frozen=True)

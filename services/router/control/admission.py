@@ -37,9 +37,10 @@ class Admission:
         self.waiting: deque[tuple[InflightRequest, asyncio.Future]] = deque()
 
     def pages_needed(self, request: InflightRequest) -> dict[Role, int]:
-        prompt_tokens = len(request.job.prompt_token_ids)
-        return {Role.PREFILL: pages_for(prompt_tokens, self.page_size),
-                Role.DECODE: decode_pages_needed(prompt_tokens, request.job.stop.max_tokens, self.page_size)}
+        """By the prefix a prefill computes: the prompt, and after a migration the tokens already streamed."""
+        prefix_tokens = request.prefix_len()
+        return {Role.PREFILL: pages_for(prefix_tokens, self.page_size),
+                Role.DECODE: decode_pages_needed(prefix_tokens, request.tokens_left(), self.page_size)}
 
     async def admit(self, request: InflightRequest) -> None:
         """Returns once the request is placed; raises RequestError when it cannot be."""
@@ -80,6 +81,16 @@ class Admission:
             else:
                 return
 
+    def readmit(self, request: InflightRequest) -> None:
+        """Places a request moved off its decode (migration.py) now if it fits, else first in line:
+        it came before everyone waiting. No caller awaits it: its stage deadline bounds the wait."""
+        if not self._place(request):
+            self.waiting.appendleft((request, asyncio.get_running_loop().create_future()))
+
+    def withdraw(self, request: InflightRequest) -> None:
+        """Takes a readmitted request out of the line: it ended while it waited."""
+        self.waiting = deque(entry for entry in self.waiting if entry[0] is not request)
+
     @staticmethod
     def release(worker: WorkerRecord | None, request: InflightRequest) -> bool:
         """Gives the request's reservation on that worker back; False if it held none there."""
@@ -111,8 +122,9 @@ class Admission:
         self._reserve_prefill(request, prefill, needed[Role.PREFILL])
         request.decode = decode
         decode.reservations[request.request_id] = needed[Role.DECODE]
-        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
-        request.timings.router_queue_s = time.perf_counter() - request.submitted_at
+        metrics.count_routed(decode.worker_id, Role.DECODE, request.prefix_len())
+        if not request.timings.migrations:  # the first placement's wait: a moved request's is not queueing
+            request.timings.router_queue_s = time.perf_counter() - request.submitted_at
         self.on_placed(request)
         return True
 

@@ -1,0 +1,163 @@
+"""Request migration (services/router/control/migration.py): a stream whose decode dies goes on on
+another decode, token-exact, and reports that it moved.
+
+Two halves. The real router alone, with its workers played by protocol peers (tests/protocol_peer.py),
+shows exactly what goes over the wire when a decode fails: which ids, which prefix, in which order,
+and when the request ends UNAVAILABLE instead. Then one 1P2D stack of real processes, whose decode
+is killed with SIGKILL under streams over gRPC and the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve.v1 import generation_pb2
+from shared.control import wire
+from shared.control.messages import (
+    DecodeTask,
+    Deregister,
+    ErrorCode,
+    Failed,
+    FinishReason,
+    KvPulled,
+    KvReady,
+    PrefillTask,
+    Registered,
+    ReleaseKv,
+    Role,
+    TokenBatch,
+    TokenOut,
+)
+from tests.conftest import CACHE_DIR
+from tests.protocol_peer import ProtocolPeer
+from tests.stack import ServiceStack
+from tests.test_control_plane import _fingerprint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+# ---- the real router, its workers played by peers ----
+
+@contextlib.contextmanager
+def _router_and_peers(checkpoint, workdir, **settings):
+    """The router alone, with two prefills and two decodes played by peers. Rooms differ by a page,
+    so that a tie goes to prefill-0 and to decode-0 (the roomier) and a placement elsewhere shows a choice."""
+    stack = ServiceStack(workdir, CACHE_DIR, services=("router",), PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S="120",
+                         **settings)
+    endpoint = f"ipc://{workdir}/run/router.ipc"
+    fingerprint = _fingerprint(checkpoint)
+    peers = {"prefill-0": ProtocolPeer(endpoint, "prefill-0", Role.PREFILL, fingerprint, total_pages=64),
+             "prefill-1": ProtocolPeer(endpoint, "prefill-1", Role.PREFILL, fingerprint, total_pages=63),
+             "decode-0": ProtocolPeer(endpoint, "decode-0", Role.DECODE, fingerprint, total_pages=256),
+             "decode-1": ProtocolPeer(endpoint, "decode-1", Role.DECODE, fingerprint, total_pages=255)}
+    for peer in peers.values():
+        peer.register()  # queued until the router binds
+    try:
+        with stack:
+            for peer in peers.values():
+                peer.epoch = peer.receive(Registered).router_epoch
+            with ThreadPoolExecutor(1) as calls:
+                yield stack, peers, calls
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+def _stream(stack, max_tokens: int) -> list:
+    request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return list(stack.stub.Generate(request, timeout=60))
+
+
+def _prefilled(prefill: ProtocolPeer, token: int) -> PrefillTask:
+    """The prefill's next task, answered with KvReady and that token."""
+    task = prefill.receive(PrefillTask)
+    prefill.send(KvReady(task.request_id, prefill.worker_id, wire.pack_page_ids([0]), len(task.prompt_token_ids),
+                         token, None, 0.0, 0.0, time.time(), 0))
+    return task
+
+
+def _tokens(decode: ProtocolPeer, request_id: str, tokens: list[int], last: bool = False) -> None:
+    for i, token in enumerate(tokens):
+        finish = FinishReason.LENGTH if last and i == len(tokens) - 1 else None
+        decode.send(TokenBatch([TokenOut(request_id, token, finish)], time.time()))
+
+
+def test_a_stream_whose_decode_dies_goes_on_from_its_prefix_on_the_other(checkpoint, tmp_path):
+    """decode-0 streams three tokens and dies: the prompt and those three are prefilled again under a
+    new id, the next token counted as the fourth; decode-1 finishes. The re-prefill's prefill dies
+    too: it is retried on the other prefill, as a first prefill would be."""
+    with _router_and_peers(checkpoint, tmp_path) as (stack, peers, calls):
+        call = calls.submit(_stream, stack, 6)
+        first = _prefilled(peers["prefill-0"], 42)
+        handoff = peers["decode-0"].receive(DecodeTask)
+        assert (handoff.request_id, handoff.generated) == (first.request_id, 0)
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-0"], first.request_id, [43, 44])
+        peers["decode-0"].send(Deregister("decode-0"))  # dropped as a dead decode is, at once
+
+        moved = peers["prefill-0"].receive(PrefillTask)
+        assert moved.request_id != first.request_id, "each placement has its own id on the wire"
+        assert moved.prompt_token_ids == first.prompt_token_ids + [42, 43, 44] and moved.generated == 3
+        peers["prefill-0"].send(Deregister("prefill-0"))
+        retried = _prefilled(peers["prefill-1"], 45)
+        assert (retried.request_id, retried.prompt_token_ids, retried.generated) == (
+            moved.request_id, moved.prompt_token_ids, 3)
+
+        handoff = peers["decode-1"].receive(DecodeTask)
+        assert (handoff.request_id, handoff.first_token_id, handoff.generated) == (moved.request_id, 45, 3)
+        assert handoff.num_tokens == len(first.prompt_token_ids) + 3
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-1", 0.0, time.time()))
+        _tokens(peers["decode-1"], moved.request_id, [46, 47], last=True)
+        chunks = call.result(timeout=30)
+    assert [t for c in chunks for t in c.token_ids] == [42, 43, 44, 45, 46, 47]
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.migrations == chunks[-1].timings.migrations == 1
+
+
+def test_a_decode_that_fails_the_handoff_is_left_and_past_the_limit_the_stream_ends(checkpoint, tmp_path):
+    """decode-0 answers the handoff with Failed UNAVAILABLE: the prefill hears ReleaseKv for the old
+    id before the task under the new one, and the request moves to decode-1 though decode-0, still
+    registered and roomier, would win the tie. decode-1 dies: with router.migration_limit 1 the
+    stream ends UNAVAILABLE, saying why, and nothing stays reserved."""
+    with _router_and_peers(checkpoint, tmp_path, PDSERVE_ROUTER_MIGRATION_LIMIT="1") as (stack, peers, calls):
+        call = calls.submit(_stream, stack, 6)
+        first = _prefilled(peers["prefill-0"], 42)
+        peers["decode-0"].receive(DecodeTask)
+        peers["decode-0"].send(Failed(first.request_id, ErrorCode.UNAVAILABLE, "KV handoff failed: a test's"))
+
+        assert peers["prefill-0"].receive(ReleaseKv).request_id == first.request_id
+        moved = _prefilled(peers["prefill-0"], 43)
+        assert moved.prompt_token_ids == first.prompt_token_ids + [42] and moved.generated == 1
+        assert peers["decode-1"].receive(DecodeTask).request_id == moved.request_id
+        peers["decode-1"].send(Deregister("decode-1"))
+
+        assert peers["prefill-0"].receive(ReleaseKv).request_id == moved.request_id  # that handoff was not pulled
+        with pytest.raises(grpc.RpcError) as error:
+            call.result(timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not moved to another decode: router.migration_limit (1) reached" in error.value.details()
+        assert all(w.reserved_pages == 0 for w in stack.workers())
+
+
+def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
+    with _router_and_peers(checkpoint, tmp_path) as (stack, peers, calls):
+        peers["decode-1"].send(Deregister("decode-1"))
+        call = calls.submit(_stream, stack, 6)
+        first = _prefilled(peers["prefill-0"], 42)
+        peers["decode-0"].receive(DecodeTask)
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-0"], first.request_id, [43])
+        peers["decode-0"].send(Deregister("decode-0"))
+        with pytest.raises(grpc.RpcError) as error:
+            call.result(timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not moved to another decode: no other decode serves" in error.value.details()
+        with pytest.raises(TimeoutError):
+            peers["prefill-0"].receive(PrefillTask, timeout_s=0.5)
+        assert all(w.reserved_pages == 0 for w in stack.workers())
