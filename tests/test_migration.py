@@ -10,15 +10,19 @@ is killed with SIGKILL under streams over gRPC and the OpenAI API.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 
 from pdserve.v1 import generation_pb2
 from shared.control import wire
 from shared.control.messages import (
+    Abort,
     DecodeTask,
     Deregister,
     ErrorCode,
@@ -33,10 +37,12 @@ from shared.control.messages import (
     TokenBatch,
     TokenOut,
 )
+from services.stack.supervisor import RestartPolicy
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer
 from tests.stack import ServiceStack
 from tests.test_control_plane import _fingerprint
+from tests.test_faults import FAST_HEARTBEATS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -145,6 +151,30 @@ def test_a_decode_that_fails_the_handoff_is_left_and_past_the_limit_the_stream_e
         assert all(w.reserved_pages == 0 for w in stack.workers())
 
 
+def test_a_decode_that_stops_streaming_is_left_once_its_token_is_late(checkpoint, tmp_path):
+    """decode-0 streams a token and then nothing: past router.decode_token_timeout_s it is told Abort
+    and the request moves to decode-1, never back to decode-0 (still registered, and roomier). A
+    token decode-0 sends late under the old id is answered with Abort and reaches no client."""
+    with _router_and_peers(checkpoint, tmp_path, PDSERVE_ROUTER_DECODE_TOKEN_TIMEOUT_S="2") as (stack, peers, calls):
+        call = calls.submit(_stream, stack, 4)
+        first = _prefilled(peers["prefill-0"], 42)
+        peers["decode-0"].receive(DecodeTask)
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-0"], first.request_id, [43])
+        assert peers["decode-0"].receive(Abort, timeout_s=30).request_id == first.request_id
+
+        moved = _prefilled(peers["prefill-0"], 44)
+        assert moved.prompt_token_ids == first.prompt_token_ids + [42, 43] and moved.generated == 2
+        assert peers["decode-1"].receive(DecodeTask).request_id == moved.request_id
+        _tokens(peers["decode-0"], first.request_id, [666])
+        assert peers["decode-0"].receive(Abort).request_id == first.request_id
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-1"], moved.request_id, [45], last=True)
+        chunks = call.result(timeout=30)
+    assert [t for c in chunks for t in c.token_ids] == [42, 43, 44, 45]
+    assert chunks[-1].usage.migrations == 1
+
+
 def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
     with _router_and_peers(checkpoint, tmp_path) as (stack, peers, calls):
         peers["decode-1"].send(Deregister("decode-1"))
@@ -161,3 +191,120 @@ def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
         with pytest.raises(TimeoutError):
             peers["prefill-0"].receive(PrefillTask, timeout_s=0.5)
         assert all(w.reserved_pages == 0 for w in stack.workers())
+
+
+# ---- one 1P2D stack of real processes, a decode killed under streams ----
+
+CONTEXT = 8192  # the embedded model's: a request of prompt + max_tokens up to it reserves 512 pages
+# A decode pool of 516 pages: a request as long as the context leaves 4, too few for any stream
+# here, so that every stream is placed on the other decode (the one the test kills).
+DECODE_PAGES = 516
+MAX_TOKENS = 96
+STREAMED_BEFORE_KILL = 8
+RESTARTS = RestartPolicy(first_delay_s=0.5, max_delay_s=2.0, stable_after_s=10.0)
+MODEL = "embedded"
+
+
+@pytest.fixture(scope="module")
+def two_decodes(checkpoint, tmp_path_factory):
+    """prefill-0, decode-0 and decode-1 under the supervisor: a killed decode is restarted and re-registers."""
+    with ServiceStack(tmp_path_factory.mktemp("migration"), CACHE_DIR, decode=2, restart=RESTARTS,
+                      PDSERVE_KV_DECODE_PAGES=str(DECODE_PAGES), **FAST_HEARTBEATS) as stack:
+        yield stack
+        stack.wait_serving()
+        stack.stop_drained()
+
+
+class Streams:
+    """Four calls: gRPC streams greedy and seeded-sampled, an OpenAI completion streamed and an OpenAI
+    chat answered whole. Each returns (tokens or text, finish reason, completion tokens) and the
+    migrations its usage (and gRPC's StageTimings) report; started() says once each streamed call
+    has had STREAMED_BEFORE_KILL pieces."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.client = openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=300)
+        self.streaming = [threading.Event() for _ in range(3)]
+
+    def calls(self) -> list:
+        return [lambda: self._grpc(0, temperature=0.0), lambda: self._grpc(1, temperature=0.8, seed=7),
+                self._openai_streamed, self._openai_whole]
+
+    def started(self, timeout_s: float) -> bool:
+        return all(event.wait(timeout_s) for event in self.streaming)
+
+    def _grpc(self, index: int, **sampling) -> tuple:
+        request = generation_pb2.GenerateRequest(prompt=f"Count slowly from {index}:", max_tokens=MAX_TOKENS,
+                                                 ignore_eos=True, **sampling)
+        tokens, last = [], None
+        for last in self.stack.stub.Generate(request, timeout=300):
+            tokens += last.token_ids
+            if len(tokens) >= STREAMED_BEFORE_KILL:
+                self.streaming[index].set()
+        return (tokens, last.finish_reason, last.usage.completion_tokens), (last.usage.migrations,
+                                                                            last.timings.migrations)
+
+    def _openai_streamed(self) -> tuple:
+        chunks = self.client.completions.create(
+            model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        pieces, finish, usage = [], None, None
+        for chunk in chunks:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+            if len(pieces) >= STREAMED_BEFORE_KILL:
+                self.streaming[2].set()
+        return ("".join(pieces), finish, usage.completion_tokens), (usage.migrations,)
+
+    def _openai_whole(self) -> tuple:
+        answer = self.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=MAX_TOKENS,
+            temperature=0, extra_body={"ignore_eos": True})
+        choice = answer.choices[0]
+        return (choice.message.content, choice.finish_reason, answer.usage.completion_tokens), (
+            answer.usage.migrations,)
+
+
+def _decodes(stack) -> dict[str, object]:
+    return {w.worker_id: w for w in stack.workers() if w.role == "decode"}
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_streams_whose_decode_is_killed_finish_as_undisturbed_ones_over_grpc_and_openai(two_decodes):
+    """Run undisturbed first, then again with their decode killed mid-stream (SIGKILL): every call
+    returns the same tokens (the greedy ones and the seeded sampled one), with no error, and says it
+    moved once. The pools drain once the killed decode is back."""
+    stack = two_decodes
+    with ThreadPoolExecutor(4) as pool:
+        undisturbed = list(pool.map(lambda call: call(), Streams(stack).calls()))
+    assert [moves for _, moves in undisturbed] == [(0, 0), (0, 0), (0,), (0,)], undisturbed
+    assert all(answer[1] == "length" and answer[2] == MAX_TOKENS for answer, _ in undisturbed), undisturbed
+
+    # A request as long as the context fills one decode's pool: the streams go to the other.
+    ballast = stack.stub.Generate(generation_pb2.GenerateRequest(prompt="Hello", max_tokens=CONTEXT, temperature=0,
+                                                                 ignore_eos=True), timeout=300)
+    _wait_for(lambda: any(w.reserved_pages > DECODE_PAGES - 8 for w in _decodes(stack).values()), "ballast placed")
+    full = next(name for name, w in _decodes(stack).items() if w.reserved_pages > DECODE_PAGES - 8)
+    victim = next(name for name in _decodes(stack) if name != full)
+    streams = Streams(stack)
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = [pool.submit(call) for call in streams.calls()]
+        assert streams.started(timeout_s=120), "the streams never got going"
+        _wait_for(lambda: _decodes(stack)[victim].assigned_requests == 4, "all four placed on the victim")
+        ballast.cancel()
+        _wait_for(lambda: _decodes(stack)[full].reserved_pages == 0, "the ballast's room given back")
+        stack.signal(victim, signal.SIGKILL)
+        disturbed = [outcome.result(timeout=300) for outcome in outcomes]
+
+    assert [answer for answer, _ in disturbed] == [answer for answer, _ in undisturbed]
+    assert [moves for _, moves in disturbed] == [(1, 1), (1, 1), (1,), (1,)], "each says it moved, once"
+    stack.wait_serving()  # the killed decode restarted and registered again
+    stack.assert_pools_drained()

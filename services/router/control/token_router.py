@@ -199,7 +199,7 @@ class TokenRouter:
         del self.requests[old_id]
         self.requests[request.request_id] = request
         log.warning("request moved to another decode", request_id=old_id, new_request_id=request.request_id,
-                    reason=reason, decode=decode.worker_id, streamed=len(request.output_token_ids),
+                    label=request.label, reason=reason, decode=decode.worker_id, streamed=len(request.output_token_ids),
                     migrations=request.timings.migrations)
         return None
 
