@@ -2,7 +2,9 @@
 
 Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
-  (they were reserved by the router before the prefill started, so they are free)
+  (they were reserved by the router before the prefill started, so they are free; a migrated
+  request's prompt ends with the DecodeTask.generated tokens it already streamed, which count
+  against max_tokens)
   -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/kv_pull.py)
   -> a copy on the decode's own stream lets the request join the running batch at the next step
   boundary (on a GPU that step waits for the copy on the stream, not on the host); any other

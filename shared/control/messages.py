@@ -9,6 +9,9 @@ socket; workers never talk to each other. A request's journey:
     router --Abort--> worker        (client gone, stop string hit, or shutdown)
     worker --Failed--> router       (the request cannot go on)
 
+A request whose decode fails goes round again under a new id (request migration): its PrefillTask
+carries the prompt and the tokens already streamed, and `generated` says how many of those there are.
+
 Draining a worker (SIGTERM, or the router's Drain): it sends Draining and takes no new work; once
 it holds nothing the router still owes it, the router sends Drained, and it deregisters and exits 0.
 

@@ -4,7 +4,8 @@ Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages
 before the prefill starts, so a finished prefill never waits for decode room. Reservations live
 on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:
 the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
-when the request fails; admit_waiting() then places whoever waits. The waiting line is bounded in
+when the request fails; admit_waiting() then places whoever waits. A request moved off a failed
+decode (migration.py) is placed again by the prefix it has, ahead of the line (readmit()). The waiting line is bounded in
 length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
 request is refused with RESOURCE_EXHAUSTED.
 """
