@@ -43,6 +43,7 @@ from tests.protocol_peer import ProtocolPeer
 from tests.stack import ServiceStack
 from tests.test_control_plane import _fingerprint
 from tests.test_faults import FAST_HEARTBEATS
+from tests.test_routing import _router_metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,15 +68,19 @@ def _router_and_peers(checkpoint, workdir, **settings):
         with stack:
             for peer in peers.values():
                 peer.epoch = peer.receive(Registered).router_epoch
-            with ThreadPoolExecutor(1) as calls:
+            with ThreadPoolExecutor(2) as calls:
                 yield stack, peers, calls
     finally:
         for peer in peers.values():
             peer.close()
 
 
-def _stream(stack, max_tokens: int) -> list:
-    request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def _stream(stack, max_tokens: int, token_ids: tuple[int, ...] = ()) -> list:
+    request = generation_pb2.GenerateRequest(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if token_ids:
+        request.prompt_token_ids.extend(token_ids)
+    else:
+        request.prompt = "Hello"
     return list(stack.stub.Generate(request, timeout=60))
 
 
@@ -85,6 +90,13 @@ def _prefilled(prefill: ProtocolPeer, token: int) -> PrefillTask:
     prefill.send(KvReady(task.request_id, prefill.worker_id, wire.pack_page_ids([0]), len(task.prompt_token_ids),
                          token, None, 0.0, 0.0, time.time(), 0))
     return task
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
 
 
 def _tokens(decode: ProtocolPeer, request_id: str, tokens: list[int], last: bool = False) -> None:
@@ -173,6 +185,36 @@ def test_a_decode_that_stops_streaming_is_left_once_its_token_is_late(checkpoint
         chunks = call.result(timeout=30)
     assert [t for c in chunks for t in c.token_ids] == [42, 43, 44, 45]
     assert chunks[-1].usage.migrations == 1
+
+
+def test_a_moved_request_waits_first_in_line_until_the_other_decode_has_room(checkpoint, tmp_path):
+    """decode-1's pool is all promised to a long request when decode-0 dies under a stream: the stream
+    waits, and is prefilled again the moment the long request ends."""
+    with _router_and_peers(checkpoint, tmp_path) as (stack, peers, calls):
+        call = calls.submit(_stream, stack, 4)
+        first = _prefilled(peers["prefill-0"], 42)
+        peers["decode-0"].receive(DecodeTask)
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-0"], first.request_id, [43])
+        # 16 prompt tokens and 4,064 to generate: decode-1's 255 pages, all of them.
+        long = calls.submit(_stream, stack, 255 * 16 - 16, (1000,) * 16)
+        long_task = _prefilled(peers["prefill-0"], 7)
+        assert peers["decode-1"].receive(DecodeTask).request_id == long_task.request_id
+        peers["decode-1"].send(KvPulled(long_task.request_id, "prefill-0", 0.0, time.time()))
+        _wait_for(lambda: {w.worker_id: w.reserved_pages for w in stack.workers()}["decode-1"] == 255, "long placed")
+
+        peers["decode-0"].send(Deregister("decode-0"))
+        with pytest.raises(TimeoutError):
+            peers["prefill-0"].receive(PrefillTask, timeout_s=1.0)
+        _tokens(peers["decode-1"], long_task.request_id, [8], last=True)
+        moved = _prefilled(peers["prefill-0"], 44)
+        assert moved.prompt_token_ids == first.prompt_token_ids + [42, 43] and moved.generated == 2
+        assert peers["decode-1"].receive(DecodeTask).request_id == moved.request_id
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0, time.time()))
+        _tokens(peers["decode-1"], moved.request_id, [45], last=True)
+        assert [t for c in call.result(timeout=30) for t in c.token_ids] == [42, 43, 44, 45]
+        assert [t for c in long.result(timeout=30) for t in c.token_ids] == [7, 8]
+        assert all(w.reserved_pages == 0 for w in stack.workers())
 
 
 def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
@@ -271,13 +313,6 @@ def _decodes(stack) -> dict[str, object]:
     return {w.worker_id: w for w in stack.workers() if w.role == "decode"}
 
 
-def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_streams_whose_decode_is_killed_finish_as_undisturbed_ones_over_grpc_and_openai(two_decodes):
     """Run undisturbed first, then again with their decode killed mid-stream (SIGKILL): every call
     returns the same tokens (the greedy ones and the seeded sampled one), with no error, and says it
@@ -306,5 +341,6 @@ def test_streams_whose_decode_is_killed_finish_as_undisturbed_ones_over_grpc_and
 
     assert [answer for answer, _ in disturbed] == [answer for answer, _ in undisturbed]
     assert [moves for _, moves in disturbed] == [(1, 1), (1, 1), (1,), (1,)], "each says it moved, once"
+    assert _router_metric(stack, "pdserve:request_migrations_total") == 4
     stack.wait_serving()  # the killed decode restarted and registered again
     stack.assert_pools_drained()
