@@ -85,6 +85,10 @@ class RouterConfig:
     prefill_timeout_s: float = _positive(default=600.0)
     handoff_timeout_s: float = _positive(default=120.0)
     decode_token_timeout_s: float = _positive(default=60.0)
+    # A request whose decode dies (or fails it, or times out) moves to another decode this many
+    # times at most: the prompt and the tokens already streamed are prefilled again and the
+    # stream goes on (services/router/control/migration.py). 0: it ends UNAVAILABLE at once.
+    migration_limit: int = field(default=3, metadata=_check(lambda v: v >= 0, "must not be negative"))
     # A stream whose client has not taken its tokens for this long (its HTTP/2 window is full) is
     # cancelled; its KV room went back to admission when the decode finished it.
     stall_timeout_s: float = _positive(default=30.0)

@@ -1,6 +1,12 @@
-"""Chaos: the stack under the supervisor with restarts on, mixed traffic from a few clients, and a
-SIGKILL to a random service every few seconds. Every call must still end explicitly, and once the
-killing stops the stack must serve again with nothing held: no KV page, no shared memory.
+"""Chaos: the stack (one prefill, two decodes) under the supervisor with restarts on, mixed traffic
+from a few clients, and a SIGKILL to a service every few seconds. Every call must still end
+explicitly, and once the killing stops the stack must serve again with nothing held: no KV page,
+no shared memory.
+
+It runs in two phases on one stack. First only decodes are killed, each while it holds requests
+and only while the other serves: migration (services/router/control/migration.py) must then save
+every call, so none of those that end in this phase may fail. Then any service is killed at random,
+where a call may end UNAVAILABLE (a prefill or the router killed, both decodes down at once).
 
 A killed service takes 10-40 s to serve again on a busy 2-core CPU, far longer than a few seconds:
 most kills wait for the stack to serve again and then for a few seconds of traffic, so that each
@@ -12,6 +18,7 @@ The random choices (calls, victims, pauses) come from a fixed seed; the timings 
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import signal
 import threading
@@ -21,7 +28,6 @@ import grpc
 import pytest
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from services.stack.local import SERVICES
 from services.stack.supervisor import RestartPolicy
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
@@ -31,12 +37,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SEED = 20240611
 CHAOS_S = 100.0
+DECODES_ONLY_S = 40.0            # the first phase, of CHAOS_S
+VICTIMS = ("router", "prefill-0", "decode-0", "decode-1")
+DECODES = ("decode-0", "decode-1")
 KILL_EVERY_S = (4.0, 10.0)       # of serving, between two kills
 IMPATIENT = 0.25                 # the share of kills that do not wait for the stack to serve again
 CLIENTS = 4
 CALL_DEADLINE_S = 60.0           # every call has one: a call that reaches it was hung...
 PURPOSE_DEADLINE_S = (0.3, 2.0)  # ...unless it set a short one on purpose
 ANSWERS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"}
+# How each kind of call may end while a decode dies and the other serves: as it meant to.
+SAVED = {"short": {"finished:length"}, "long": {"finished:length"}, "cancelled": {"CANCELLED", "finished:length"},
+         "deadline": {"DEADLINE_EXCEEDED", "finished:length"}}
 # Every stage of a request bounded well inside CALL_DEADLINE_S, so that a lost request ends on
 # the router's side first.
 SETTINGS = {**FAST_HEARTBEATS, "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "10", "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": "30",
@@ -93,53 +105,75 @@ def _client(address: str, seed: int, until: float, outcomes: list) -> None:
                 time.sleep(0.5)  # a service is restarting: do not spin
 
 
-def _kill_at_random(stack: ServiceStack, rng: random.Random, until: float) -> list[tuple[float, str, float | None]]:
-    """When each kill came, its victim, and how long the stack took to serve again (None: the
-    next kill did not wait)."""
-    # By then the router has dropped a killed worker, so health says SERVING only once it is back.
-    dropped_s = 1.5 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"])
+def _kill_decodes_in_turn(stack: ServiceStack, rng: random.Random, until: float) -> list[tuple[float, str, float]]:
+    """Only decodes, each while it holds requests and the other serves, so that every request it
+    held has somewhere to move."""
     kills = []
     while time.monotonic() + KILL_EVERY_S[1] < until:
         time.sleep(rng.uniform(*KILL_EVERY_S))
-        victim = rng.choice(SERVICES)
-        stack.signal(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        if rng.random() < IMPATIENT:
-            kills.append((killed_at, victim, None))
-            continue
-        time.sleep(dropped_s)
-        stack.wait_serving()
-        kills.append((killed_at, victim, round(time.monotonic() - killed_at, 1)))
+        victim = rng.choice(DECODES)
+        _wait_until_holding(stack, victim)
+        kills.append(_kill(stack, victim, wait=True))
     return kills
 
 
-def _wait_for_both_workers_drained(stack: ServiceStack, timeout_s: float = 90.0) -> None:
-    """A prefill and a decode registered again, every page free (a listing of one role could be a
-    killed worker not yet restarted)."""
+def _kill_at_random(stack: ServiceStack, rng: random.Random, until: float) -> list[tuple[float, str, float | None]]:
+    kills = []
+    while time.monotonic() + KILL_EVERY_S[1] < until:
+        time.sleep(rng.uniform(*KILL_EVERY_S))
+        kills.append(_kill(stack, rng.choice(VICTIMS), wait=rng.random() >= IMPATIENT))
+    return kills
+
+
+def _kill(stack: ServiceStack, victim: str, wait: bool) -> tuple[float, str, float | None]:
+    """When the kill came, its victim, and how long the stack took to serve again with every worker
+    registered (None: the next kill did not wait)."""
+    stack.signal(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    if not wait:
+        return killed_at, victim, None
+    # By then the router has dropped a killed worker, so it serves with all of them only once it is back.
+    time.sleep(1.5 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"]))
+    stack.wait_serving()
+    return killed_at, victim, round(time.monotonic() - killed_at, 1)
+
+
+def _wait_until_holding(stack: ServiceStack, decode: str, timeout_s: float = 30.0) -> None:
+    """Until the decode holds a request, so that its death has requests to move (or the timeout)."""
     deadline = time.monotonic() + timeout_s
-    while {w.role for w in stack.workers()} != {"prefill", "decode"}:
-        assert time.monotonic() < deadline, f"workers after the chaos: {stack.workers()}"
-        time.sleep(0.5)
-    stack.assert_pools_drained(timeout_s=max(1.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.RpcError):  # the router itself may be restarting
+            if any(w.worker_id == decode and w.assigned_requests for w in stack.workers()):
+                return
+        time.sleep(0.1)
 
 
 def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoint, tmp_path):
     outcomes: list[tuple[str, str, float]] = []  # kind, outcome, when it ended
-    with ServiceStack(tmp_path, CACHE_DIR, restart=RESTARTS, **SETTINGS) as stack:
-        until = time.monotonic() + CHAOS_S
+    with ServiceStack(tmp_path, CACHE_DIR, restart=RESTARTS, decode=len(DECODES), **SETTINGS) as stack:
+        started = time.monotonic()
+        until = started + CHAOS_S
         clients = [threading.Thread(target=_client, args=(stack.address, SEED + i, until, outcomes))
                    for i in range(CLIENTS)]
         for client in clients:
             client.start()
-        kills = _kill_at_random(stack, random.Random(SEED), until)
+        rng = random.Random(SEED)
+        decode_kills = _kill_decodes_in_turn(stack, rng, started + DECODES_ONLY_S)
+        kills = decode_kills + _kill_at_random(stack, rng, until)
         for client in clients:
             client.join(timeout=CALL_DEADLINE_S + 30)
         calls = collections.Counter((kind, outcome) for kind, outcome, _ in outcomes)
-        restarts = len(stack.supervisor.pids) - len(SERVICES)
-        summary = f"kills (victim, seconds to serve again): {[k[1:] for k in kills]}; {restarts=}; calls: {calls}"
+        restarts = len(stack.supervisor.pids) - len(VICTIMS)
+        moved = stack.log_path("router").read_text().count("request moved to another decode")
+        summary = (f"kills (victim, seconds to serve again): {[k[1:] for k in kills]}; {restarts=}; {moved=}; "
+                   f"calls: {calls}")
         print(summary)
         assert not any(client.is_alive() for client in clients), "a call outlived its deadline: " + summary
         assert stack.failure is None, summary
+        # The first phase: no call lost to a dead decode while the other served.
+        first_other_kill = kills[len(decode_kills)][0] if len(kills) > len(decode_kills) else until
+        lost = [(kind, o) for kind, o, at in outcomes if at < first_other_kill and o not in SAVED[kind]]
+        assert decode_kills and moved and not lost, f"{lost=}; " + summary
         unanswered = [o for _, o, _ in outcomes if o not in ANSWERS and o not in ("finished:stop", "finished:length")]
         assert not unanswered, summary
         hung = [kind for kind, o, _ in outcomes if o == "DEADLINE_EXCEEDED" and kind != "deadline"]
@@ -148,10 +182,10 @@ def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoi
             "restarted services served: " + summary
 
         time.sleep(2 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"]))  # the last victim is dropped
-        stack.wait_serving()
-        _wait_for_both_workers_drained(stack)
+        stack.wait_serving()  # every worker registered again
+        stack.assert_pools_drained(timeout_s=90)
         short = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=3, ignore_eos=True, temperature=0)
         assert _outcome(stack.stub, short, CALL_DEADLINE_S, 0) == "finished:length", "serving again after the chaos"
         codes = stack.stop()  # fails on shared memory left by any process of the run
-    assert codes == {name: 0 for name in codes} and len(codes) == len(SERVICES), codes
+    assert codes == {name: 0 for name in codes} and len(codes) == len(VICTIMS), codes
     assert not stack.shm_segments()

@@ -2,7 +2,9 @@
 
 Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
-  (they were reserved by the router before the prefill started, so they are free)
+  (they were reserved by the router before the prefill started, so they are free; a migrated
+  request's prompt ends with the DecodeTask.generated tokens it already streamed, which count
+  against max_tokens)
   -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/kv_pull.py)
   -> a copy on the decode's own stream lets the request join the running batch at the next step
   boundary (on a GPU that step waits for the copy on the stream, not on the host); any other
@@ -168,8 +170,8 @@ class DecodeWorker(WorkerLoop):
 
     def _on_task(self, task: DecodeTask) -> None:
         try:
-            pages = self.allocator.allocate(
-                decode_pages_needed(task.num_tokens, task.stop.max_tokens, self.pool.layout.page_size))
+            pages = self.allocator.allocate(decode_pages_needed(
+                task.num_tokens, task.stop.max_tokens - task.generated, self.pool.layout.page_size))
         except PoolExhausted as exc:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return
@@ -179,8 +181,8 @@ class DecodeWorker(WorkerLoop):
             self.allocator.free(pages)
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
-        request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, 1, task.sampling,
-                                  task.stop)
+        request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, task.generated + 1,
+                                  task.sampling, task.stop)
         if transfer.stream_ordered or transfer.state is TransferState.DONE:
             self.waiting.append(request)
         else:

@@ -179,7 +179,7 @@ class PrefillWorker(WorkerLoop):
         try:
             logits = self.model.prefill(prompt, self.exported.pool, lease.pages, self.chunk_tokens,
                                         self.link.made_progress, start=cached_tokens)
-            token = sample(logits[None], [task.sampling], [0])[0]  # syncs: the pages are written
+            token = sample(logits[None], [task.sampling], [task.generated])[0]  # syncs: the pages are written
         except Exception as exc:
             self.cache.release(lease)
             log.exception("prefill failed", request_id=task.request_id)
@@ -187,7 +187,7 @@ class PrefillWorker(WorkerLoop):
             return
         self.cache.store(queued.keys, lease)
         self.held[task.request_id] = lease
-        finish_reason = self.finish(token, 1, len(prompt) + 1, task.stop)
+        finish_reason = self.finish(token, task.generated + 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
         self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(lease.pages), len(prompt), token,
                                finish_reason, queued_s, compute_s, time.time(), cached_tokens))

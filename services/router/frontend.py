@@ -48,6 +48,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # of prompt_tokens, those whose KV the prefill took from its prefix cache
+    migrations: int = 0  # times the request moved to another decode (services/router/control/migration.py)
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,9 @@ class Generation:
                 continue
             timer.succeeded(finish, generated)
             inflight.clock.fill(inflight.timings)
-            usage = Usage(len(inflight.job.prompt_token_ids), generated, inflight.timings.cached_prompt_tokens)
-            yield Chunk(token_ids, "".join(pieces), finish, usage, inflight.timings)
+            timings = inflight.timings
+            usage = Usage(len(inflight.job.prompt_token_ids), generated, timings.cached_prompt_tokens,
+                          timings.migrations)
+            yield Chunk(token_ids, "".join(pieces), finish, usage, timings)
             return
 

@@ -9,6 +9,9 @@ socket; workers never talk to each other. A request's journey:
     router --Abort--> worker        (client gone, stop string hit, or shutdown)
     worker --Failed--> router       (the request cannot go on)
 
+A request whose decode fails goes round again under a new id (request migration): its PrefillTask
+carries the prompt and the tokens already streamed, and `generated` says how many of those there are.
+
 Draining a worker (SIGTERM, or the router's Drain): it sends Draining and takes no new work; once
 it holds nothing the router still owes it, the router sends Drained, and it deregisters and exits 0.
 
@@ -234,6 +237,10 @@ class PrefillTask:
     sampling: SamplingParams
     stop: StopParams
     sent_at: float  # wall clock (time.time) when the router sent it: the prefill queue starts here
+    # Output tokens the request already streamed, the tail of prompt_token_ids: non-zero for a
+    # request moved off a failed decode (request migration). The token sampled here is output
+    # number generated + 1, seeded and counted against max_tokens as such.
+    generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,7 @@ class DecodeTask:
     first_token_id: int
     sampling: SamplingParams
     stop: StopParams
+    generated: int = 0  # PrefillTask.generated: output tokens before first_token_id, in the prompt's tail
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def _response(label: str, chunk: Chunk) -> generation_pb2.GenerateResponse:
         response.finish_reason = chunk.finish_reason.value
         response.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=chunk.usage.prompt_tokens,
                                                      completion_tokens=chunk.usage.completion_tokens,
-                                                     cached_prompt_tokens=chunk.usage.cached_prompt_tokens))
+                                                     cached_prompt_tokens=chunk.usage.cached_prompt_tokens,
+                                                     migrations=chunk.usage.migrations))
         response.timings.CopyFrom(generation_pb2.StageTimings(**chunk.timings.as_dict()))
     return response
 

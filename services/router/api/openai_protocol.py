@@ -158,7 +158,8 @@ GenerateBody = CompletionRequest | ChatCompletionRequest
 def usage(numbers: Usage) -> dict:
     return {"prompt_tokens": numbers.prompt_tokens, "completion_tokens": numbers.completion_tokens,
             "total_tokens": numbers.prompt_tokens + numbers.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": numbers.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": numbers.cached_prompt_tokens},
+            "migrations": numbers.migrations}  # pdserve's own: moves to another decode (gRPC's Usage.migrations)
 
 
 class Answer:

@@ -4,8 +4,9 @@ Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages
 as the prefill starts, so a finished prefill never waits for decode room. Reservations live
 on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:
 the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
-when the request fails; admit_waiting() then places whoever waits. The waiting line is bounded in
-length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
+when the request fails; admit_waiting() then places whoever waits. A request moved off a failed
+decode (migration.py) is placed again by the prefix it has, ahead of the line (readmit()).
+The waiting line is bounded in length (router.max_waiting_requests) and in time (router.admission_timeout_s): past either, the
 request is refused with RESOURCE_EXHAUSTED.
 
 A request is reserved for only once its PrefillTask went out: a task that cannot be sent (a bug
@@ -42,9 +43,10 @@ class Admission:
         self.waiting: deque[tuple[InflightRequest, asyncio.Future]] = deque()
 
     def pages_needed(self, request: InflightRequest) -> dict[Role, int]:
-        prompt_tokens = len(request.job.prompt_token_ids)
-        return {Role.PREFILL: pages_for(prompt_tokens, self.page_size),
-                Role.DECODE: decode_pages_needed(prompt_tokens, request.job.stop.max_tokens, self.page_size)}
+        """By the prefix a prefill computes: the prompt, and after a migration the tokens already streamed."""
+        prefix_tokens = request.prefix_len()
+        return {Role.PREFILL: pages_for(prefix_tokens, self.page_size),
+                Role.DECODE: decode_pages_needed(prefix_tokens, request.tokens_left(), self.page_size)}
 
     async def admit(self, request: InflightRequest) -> None:
         """Returns once the request is placed; raises RequestError when it cannot be."""
@@ -87,6 +89,16 @@ class Admission:
                     placed.set_exception(exc)
             self.waiting.popleft()
 
+    def readmit(self, request: InflightRequest) -> None:
+        """Places a request moved off its decode (migration.py) now if it fits, else first in line:
+        it came before everyone waiting. No caller awaits it: its stage deadline bounds the wait."""
+        if not self._place(request):
+            self.waiting.appendleft((request, asyncio.get_running_loop().create_future()))
+
+    def withdraw(self, request: InflightRequest) -> None:
+        """Takes a readmitted request out of the line: it ended while it waited."""
+        self.waiting = deque(entry for entry in self.waiting if entry[0] is not request)
+
     @staticmethod
     def release(worker: WorkerRecord | None, request: InflightRequest) -> bool:
         """Gives the request's reservation on that worker back; False if it held none there."""
@@ -120,11 +132,12 @@ class Admission:
             return False
         prefill, decode = pair
         request.prefill, request.decode = prefill, decode
-        request.timings.router_queue_s = time.perf_counter() - request.submitted_at
+        if not request.timings.migrations:  # the first placement's wait: a moved request's is not queueing
+            request.timings.router_queue_s = time.perf_counter() - request.submitted_at
         self.on_placed(request)
         self._reserve_prefill(request, prefill, needed[Role.PREFILL])
         decode.reservations[request.request_id] = needed[Role.DECODE]
-        metrics.count_routed(decode.worker_id, Role.DECODE, len(request.job.prompt_token_ids))
+        metrics.count_routed(decode.worker_id, Role.DECODE, request.prefix_len())
         return True
 
     def _reserve_prefill(self, request: InflightRequest, prefill: WorkerRecord, pages: int) -> None:

@@ -12,6 +12,10 @@ Stages (InflightRequest.stage):
   DONE       ended by the workers (EOS, length, failure) or by the front (client gone, stop string)
 Every stage has a deadline (router.*_timeout_s): a request past it fails with UNAVAILABLE.
 An exception nobody expected fails the request it concerns with INTERNAL (internal_error).
+
+A request whose decode fails goes back to ADMITTING under a new request_id (migration.py), its
+prompt followed by the tokens it already streamed (output_token_ids): each placement has its own
+id on the wire, so no late frame about an earlier one can pass for the current one.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class StageTimings:
     decode_queue_s: float = 0.0
     first_decode_step_s: float = 0.0
     cached_prompt_tokens: int = 0  # not a time: the prompt tokens the prefill took from its cache
+    migrations: int = 0  # not a time: how many times the request moved to another decode (migration.py)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -130,7 +135,11 @@ class InflightRequest:
     clock: HandoffClock = field(default_factory=HandoffClock)
     submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
     deadline: float = float("inf")  # time.monotonic() by which the current stage must move on
-    failed_on: set[str] = field(default_factory=set)  # prefills it failed on, before its first token
+    # Workers it must not be placed on again: a prefill it failed on before a token, a decode it
+    # moved off that is still registered (a timeout, a Failed).
+    failed_on: set[str] = field(default_factory=set)
+    prefill_retried: bool = False  # it had its one move to another prefill (token_router.py)
+    output_token_ids: list[int] = field(default_factory=list)  # handed to the front, in order
     _page_keys: list[str] | None = None
 
     def __post_init__(self) -> None:
@@ -141,10 +150,36 @@ class InflightRequest:
         self.deadline = time.monotonic() + timeout_s
 
     def page_keys(self, page_size: int) -> list[str]:
-        """The prompt's full pages' keys (shared/kv/page_keys.py), hashed once, when routing first asks."""
+        """The prefix's full pages' keys (shared/kv/page_keys.py), hashed once per placement, when
+        routing first asks."""
         if self._page_keys is None:
-            self._page_keys = page_keys(self.job.prompt_token_ids, page_size, self.job.cache_salt)
+            self._page_keys = page_keys(self.prefix_token_ids(), page_size, self.job.cache_salt)
         return self._page_keys
+
+    def prefix_token_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, then the tokens already streamed (after a migration)."""
+        if not self.output_token_ids:
+            return self.job.prompt_token_ids
+        return self.job.prompt_token_ids + self.output_token_ids
+
+    def prefix_len(self) -> int:
+        return len(self.job.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens_left(self) -> int:
+        """max_tokens less the tokens already streamed: what a decode placed now may still produce."""
+        return self.job.stop.max_tokens - len(self.output_token_ids)
+
+    def emit(self, event: TokenEvent | ErrorEvent) -> None:
+        """Hands an event to the front; a token is also kept, for the prefix should the request move."""
+        if isinstance(event, TokenEvent):
+            self.output_token_ids.append(event.token_id)
+        self.events.put_nowait(event)
+
+    def rekey(self) -> str:
+        """A new request_id for the next placement, the page keys of its longer prefix to be
+        hashed afresh; returns the old id."""
+        old, self.request_id, self._page_keys = self.request_id, new_request_id(), None
+        return old
 
     def holder(self) -> WorkerRecord | None:
         """The worker that has the request in its current stage."""

@@ -28,7 +28,7 @@ class RoutingPolicy:
 
     def tokens_to_compute(self, worker: WorkerRecord, request: InflightRequest) -> int:
         """The prompt tokens this prefill would compute, its cached prefix left out."""
-        prompt_tokens = len(request.job.prompt_token_ids)
+        prompt_tokens = request.prefix_len()
         if not self.config.prefix_aware:
             return prompt_tokens
         cached = 0

@@ -11,7 +11,9 @@
 Nothing is trusted blindly: each message about a request must come from the worker the router
 gave it to. Who may join and when a worker is dropped is membership's job (membership.py); frames
 in and out are the worker socket's (worker_socket.py). A worker that membership drops fails its
-requests with UNAVAILABLE; so does a request that overstays any stage's timeout.
+requests with UNAVAILABLE; so does a request that overstays any stage's timeout. Except that a
+request whose prefill fails before its first token moves once to another prefill, and one whose
+decode fails moves to another decode and goes on streaming (migration.py).
 
 One request's trouble stays its own: an exception while handling one request (a message about it,
 its timeout, its worker's loss, one token of a batch) fails that request alone with INTERNAL and
@@ -31,6 +33,7 @@ import structlog
 
 from services.router.control.admission import Admission
 from services.router.control.membership import Membership, Peer
+from services.router.control.migration import Migration
 from services.router.control.registration import RegistrationPolicy
 from services.router.control.request import ErrorEvent, InflightRequest, Stage, TokenEvent, internal_error
 from services.router.control.routing import RoutingPolicy
@@ -78,6 +81,7 @@ class TokenRouter:
         self.admission = Admission(self.registry, RoutingPolicy(config.routing, config.kv.page_size), config.router,
                                    config.kv.page_size, self._start_prefill)
         self.requests: dict[str, InflightRequest] = {}  # by the router's own request ids
+        self.migration = Migration(self.registry, self.admission, config.router)
         self.handoffs: dict[str, Handoff] = {}
         metrics.watch_load(lambda: len(self.requests), lambda: len(self.admission.waiting))
         self._on_workers_changed = on_workers_changed
@@ -145,27 +149,35 @@ class TokenRouter:
         cannot be sent (admission reserves for the request only once this has returned)."""
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
-        self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.cache_salt,
-                                                      job.sampling, job.stop, time.time()))
+        self.socket.send(request.prefill, PrefillTask(request.request_id, request.prefix_token_ids(), job.cache_salt,
+                                                      job.sampling, job.stop, time.time(), len(request.output_token_ids)))
         self.requests[request.request_id] = request
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
         front has taken its last events (a client that stops reading holds no KV room)."""
+        if request.stage == Stage.ADMITTING:  # a moved request, first in line
+            self.admission.withdraw(request)
         request.stage = Stage.DONE
         for worker in (request.prefill, request.decode):
             Admission.release(worker, request)
         if event is not None:
-            request.events.put_nowait(event)
+            request.emit(event)
         self.admission.admit_waiting()
 
     def _fail(self, request: InflightRequest, code: ErrorCode, message: str,
               failed: WorkerRecord | None = None) -> None:
-        """Ends the request with that error, unless `failed` is the prefill it has not had its first
-        token from yet: then it gets another prefill, once."""
+        """Ends the request with that error, unless `failed` is its decode and the error UNAVAILABLE:
+        then it moves to another decode (migration.py); or `failed` is the prefill it has not had
+        its next token from yet: then it gets another prefill, once."""
         if request.ended():
             return
         self._abort_on_workers(request)
+        if failed is not None and failed is request.decode and code == ErrorCode.UNAVAILABLE:
+            refusal = self._migrate(request, failed, message)
+            if refusal is None:
+                return
+            message = f"{message}; not moved to another decode: {refusal}"
         before_first_token = request.stage == Stage.PREFILL and failed is request.prefill
         if before_first_token and code != ErrorCode.RESOURCE_EXHAUSTED and self._retry_prefill(request):
             log.warning("request moved to another prefill", request_id=request.request_id, reason=message,
@@ -176,8 +188,9 @@ class TokenRouter:
     def _retry_prefill(self, request: InflightRequest) -> bool:
         """Before its first token a request has lost nothing the client saw: it gets one more
         prefill, a new one, if one has room now."""
-        if request.failed_on or not self.admission.replace_prefill(request):
+        if request.prefill_retried or not self.admission.replace_prefill(request):
             return False
+        request.prefill_retried = True
         metrics.REQUEST_RETRIES.inc()
         return True
 
@@ -192,6 +205,20 @@ class TokenRouter:
             if not request.ended():
                 self._abort_on_workers(request)
                 self._end(request, ErrorEvent(error.code, str(error)))
+
+    def _migrate(self, request: InflightRequest, decode: WorkerRecord, reason: str) -> str | None:
+        """Moves the request off its failed decode; returns why it cannot, or None once it moved."""
+        refusal = self.migration.refusal(request, decode)
+        if refusal is not None:
+            return refusal
+        self._release_handoff(request.request_id)  # ReleaseKv for the old id before a task under the new
+        old_id = self.migration.move(request, decode)
+        del self.requests[old_id]
+        self.requests[request.request_id] = request
+        log.warning("request moved to another decode", request_id=old_id, new_request_id=request.request_id,
+                    label=request.label, reason=reason, decode=decode.worker_id, streamed=len(request.output_token_ids),
+                    migrations=request.timings.migrations)
+        return None
 
     def _abort_on_workers(self, request: InflightRequest) -> None:
         holder = request.holder()
@@ -264,24 +291,32 @@ class TokenRouter:
     def _hand_over(self, request: InflightRequest, prefill: WorkerRecord, message: KvReady) -> None:
         """The first token to the front, and the KV to the decode (or, when it ended there, back)."""
         prefill.pending_tokens.pop(request.request_id, None)
+        generated = len(request.output_token_ids)  # before this token: non-zero once the request moved
+        if not generated:
+            self._first_token_timings(request, message)
+        if not request.clock.first_step_started_at:  # the handoff that leads to the first decode step
+            request.clock.kv_ready_at = message.ready_at
+        if message.finish_reason is not None:
+            self.socket.send(prefill, ReleaseKv(request.request_id))
+            self._end(request, TokenEvent(message.first_token_id, message.finish_reason))
+            return
+        request.emit(TokenEvent(message.first_token_id, None))
+        request.enter(Stage.DECODE, self.settings.handoff_timeout_s)
+        job = request.job
+        self.socket.send(request.decode, DecodeTask(request.request_id, prefill.worker_id, message.page_ids,
+                                                    message.num_tokens, message.first_token_id, job.sampling, job.stop,
+                                                    generated))
+        # Only a task that went out owes the prefill a ReleaseKv; pages of one that did not are
+        # held by a request the router no longer knows, which the prefill's heartbeats get aborted.
+        self.handoffs[request.request_id] = Handoff(prefill.worker_id, request.decode.worker_id, time.monotonic())
+
+    @staticmethod
+    def _first_token_timings(request: InflightRequest, message: KvReady) -> None:
         timings = request.timings
         timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
         timings.cached_prompt_tokens = message.cached_tokens
         timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
         metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + message.queued_s)
-        request.clock.kv_ready_at = message.ready_at
-        if message.finish_reason is not None:
-            self.socket.send(prefill, ReleaseKv(request.request_id))
-            self._end(request, TokenEvent(message.first_token_id, message.finish_reason))
-            return
-        request.events.put_nowait(TokenEvent(message.first_token_id, None))
-        request.enter(Stage.DECODE, self.settings.handoff_timeout_s)
-        job = request.job
-        self.socket.send(request.decode, DecodeTask(request.request_id, prefill.worker_id, message.page_ids,
-                                                    message.num_tokens, message.first_token_id, job.sampling, job.stop))
-        # Only a task that went out owes the prefill a ReleaseKv; pages of one that did not are
-        # held by a request the router no longer knows, which the prefill's heartbeats get aborted.
-        self.handoffs[request.request_id] = Handoff(prefill.worker_id, request.decode.worker_id, time.monotonic())
 
     def _on_kv_pulled(self, peer: Peer, message: KvPulled) -> None:
         handoff = self.handoffs.get(message.request_id)
@@ -290,7 +325,8 @@ class TokenRouter:
         self._release_handoff(message.request_id)
         request = self.requests.get(message.request_id)
         if request is not None and request.decode is peer.worker:
-            request.clock.pulled_at = message.pulled_at
+            if not request.clock.first_step_started_at:
+                request.clock.pulled_at = message.pulled_at
             metrics.observe(metrics.KV_PULL, message.pull_s)
             if Admission.release(request.prefill, request):
                 self.admission.admit_waiting()
@@ -325,7 +361,7 @@ class TokenRouter:
             self._end(request, event)
         else:
             request.deadline = time.monotonic() + self.settings.decode_token_timeout_s
-            request.events.put_nowait(event)
+            request.emit(event)
 
     def _on_failed(self, peer: Peer, message: Failed) -> None:
         sender = peer.worker
