@@ -30,6 +30,7 @@ from services.router.frontend import Frontend
 from services.router.validation import ModelLimits
 from shared.config import Config
 from shared.model.fingerprint import checkpoint_fingerprint
+from shared.model.generation_config import sampling_defaults
 from shared.model.loader import config_dict, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
@@ -48,7 +49,7 @@ async def serve(config: Config) -> int:
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
     limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"], config.defaults.max_tokens,
-                         config.router.max_prompt_bytes)
+                         config.router.max_prompt_bytes, sampling_defaults(checkpoint))
     # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
     os.chmod(config.router.runtime_dir, 0o700)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from shared.config import RouterConfig
 from shared.control.messages import SamplingParams, StopParams
+from shared.model.generation_config import SamplingDefaults
 from shared.model.tokenizer import ServingTokenizer
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -54,6 +55,7 @@ class ModelLimits:
     max_context: int
     default_max_tokens: int
     max_prompt_bytes: int = RouterConfig.max_prompt_bytes  # router.max_prompt_bytes
+    sampling: SamplingDefaults = SamplingDefaults()  # the model's generation_config.json's, for unset fields
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,10 @@ class Job:
     stop_strings: list[str]
 
 
-def _sampling(request: GenerateInput) -> SamplingParams:
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
-    top_k = 0 if request.top_k is None else request.top_k
+def _sampling(request: GenerateInput, defaults: SamplingDefaults) -> SamplingParams:
+    temperature = defaults.temperature if request.temperature is None else request.temperature
+    top_p = defaults.top_p if request.top_p is None else request.top_p
+    top_k = defaults.top_k if request.top_k is None else request.top_k
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not (0 < top_p <= 1):  # also refuses NaN
@@ -122,7 +124,7 @@ def check_request_shape(request: GenerateInput, limits: ModelLimits) -> None:
             raise InvalidRequest(f"unknown chat role {role!r}; use one of {sorted(CHAT_ROLES)}")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1")
-    _sampling(request)
+    _sampling(request, limits.sampling)
     _stop_strings(request)
 
 
@@ -150,7 +152,7 @@ def build_job(request: GenerateInput, prompt_token_ids: list[int], limits: Model
     wanted = limits.default_max_tokens if request.max_tokens is None else request.max_tokens
     return Job(
         prompt_token_ids=prompt_token_ids,
-        sampling=_sampling(request),
+        sampling=_sampling(request, limits.sampling),
         stop=StopParams(max_tokens=min(wanted, room), ignore_eos=request.ignore_eos),
         stop_strings=_stop_strings(request),
     )
