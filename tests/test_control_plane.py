@@ -312,6 +312,24 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
     assert all(w.reserved_pages == 0 for w in stack.workers())
 
 
+def test_a_cancel_during_the_pull_gives_the_prefills_pages_back_at_once(router_and_peers):
+    """The decode is still reading the prompt's pages (a NIXL read in flight: here a decode that has
+    not answered its DecodeTask) when the client cancels: the prefill hears ReleaseKv at once, not
+    at router.handoff_timeout_s (120 s here), so the router never counts on room the prefill lacks."""
+    stack, peers = router_and_peers
+    prefill, decode = peers["prefill"], peers["decode"]
+    stream = stack.stub.Generate(_greedy("Hello", 100), timeout=60)  # only decode-0 holds 100 tokens
+    task = prefill.receive(PrefillTask)
+    prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([3]), len(task.prompt_token_ids), 42, None,
+                         0.0, 0.0, time.time(), 0))
+    assert next(stream).token_ids == [42]
+    assert decode.receive(DecodeTask).request_id == task.request_id
+    stream.cancel()
+    assert decode.receive(Abort).request_id == task.request_id
+    assert prefill.receive(ReleaseKv, timeout_s=30).request_id == task.request_id
+    assert all(w.reserved_pages == 0 for w in stack.workers())
+
+
 def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_peers):
     _, peers = router_and_peers
     peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])

@@ -6,7 +6,7 @@
     KvPulled:   ReleaseKv to the prefill (only now may it free the prompt's pages)
     TokenBatch: tokens go to the front; the last one gives the decode's reservation back
     finish():   the front is done (the end, or client gone, stop string): Abort to a worker
-                that still holds the request
+                that still holds the request, ReleaseKv to a prefill whose KV was not pulled yet
 
 Nothing is trusted blindly: each message about a request must come from the worker the router
 gave it to. Who may join and when a worker is dropped is membership's job (membership.py); frames
@@ -145,10 +145,13 @@ class TokenRouter:
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
-        front has taken its last events (a client that stops reading holds no KV room)."""
+        front has taken its last events (a client that stops reading holds no KV room). So do the
+        prefill's pages of a handoff not pulled yet (a cancel mid-pull): a read still under way
+        only fills pages that the decode, told Abort, frees once that read settles."""
         request.stage = Stage.DONE
         for worker in (request.prefill, request.decode):
             Admission.release(worker, request)
+        self._release_handoff(request.request_id)
         if event is not None:
             request.events.put_nowait(event)
         self.admission.admit_waiting()
