@@ -45,7 +45,8 @@ def write_checkpoint(folder: Path, config, tokenizer_from: Path, generation: dic
 
 @pytest.mark.parametrize("config, setting", [
     (MistralConfig(**TINY, sliding_window=48), "sets sliding_window = 48"),
-    (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=48), "sets use_sliding_window = true, sliding_window = 48"),
+    (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=48),
+     "sets use_sliding_window = true, sliding_window = 48"),
 ], ids=["mistral", "qwen2"])
 def test_a_sliding_window_is_refused_naming_the_setting(config, setting, checkpoint, tmp_path):
     folder = write_checkpoint(tmp_path / "model", config, checkpoint)

@@ -214,6 +214,24 @@ def test_a_request_past_its_stage_timeout_ends_unavailable_and_frees_its_pages(c
         assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
 
 
+def test_a_full_slow_batch_makes_the_next_request_wait_in_admission_not_fail_at_the_handoff(checkpoint, tmp_path):
+    """One batch slot (decode.max_batch_size 1), taken by a long stream: the next request waits in the
+    router's admission queue, not in the decode's, where router.handoff_timeout_s (2 s) would end it
+    UNAVAILABLE; it is placed once the first ends, and streams whole."""
+    settings = {"PDSERVE_DECODE_MAX_BATCH_SIZE": "1", "PDSERVE_ROUTER_HANDOFF_TIMEOUT_S": "2",
+                "PDSERVE_KV_TRANSFER_TIMEOUT_S": "1", "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "120"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack, ThreadPoolExecutor(1) as pool:
+        first = stack.stub.Generate(_greedy("Count to one thousand:", 300), timeout=120)
+        received = len(next(first).token_ids)
+        second = pool.submit(_outcome, stack.stub, _greedy("Hello", 8))
+        deadline = time.monotonic() + stack.config.router.admission_timeout_s
+        while not second.done() and stack.metric("pdserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stack.metric("pdserve:num_requests_waiting") == 1, second.result()  # before the fix: placed at once
+        received += sum(len(chunk.token_ids) for chunk in first)
+        assert (received, second.result(timeout=120)) == (300, 8)
+
+
 # ---- registration as a handshake ----
 
 def test_a_worker_the_router_refuses_exits_and_is_never_listed(stack, tmp_path):

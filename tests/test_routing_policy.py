@@ -14,8 +14,10 @@ PAGE = 16
 FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 
 
-def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> WorkerRecord:
-    return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
+def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100,
+            max_batch_size: int = 64) -> WorkerRecord:
+    return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages,
+                        max_batch_size if role == Role.DECODE else 0, [], FINGERPRINT)
 
 
 def _request(tokens: list[int], max_tokens: int = 8) -> InflightRequest:
@@ -88,6 +90,19 @@ def test_draining_full_and_failed_workers_are_no_candidates():
     assert policy.pick_prefill([draining, full, failed], request, 2) is None
 
 
+def test_a_decode_whose_batch_is_full_is_no_candidate_though_its_pool_has_room():
+    full, free = _worker("decode-0", Role.DECODE, max_batch_size=2), _worker("decode-1", Role.DECODE)
+    full.reservations.update({"a": 1, "b": 1})
+    free.reservations.update({"c": 50, "d": 40})  # costlier by its pages, but it has a slot
+    prefill = _worker("prefill-0")
+    prefill.reservations.update({f"queued-{i}": 1 for i in range(80)})  # a prefill's queue has no slot bound
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_pair([prefill], [full, free], _request([1, 2, 3]), 1, 1) == (prefill, free)
+    assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) is None
+    del full.reservations["a"]
+    assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) == (prefill, full)
+
+
 def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():
     registry = WorkerRegistry()
     prefill, decode = _worker("prefill-0"), _worker("decode-0", Role.DECODE)
@@ -102,7 +117,7 @@ def test_a_prefill_registering_anew_is_tried_afresh_by_the_decodes_that_could_no
     decode = _worker("decode-0", Role.DECODE)
     decode.unreachable["prefill-0"] = "its old pool was gone"
     registry.workers["decode-0"] = decode
-    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE,
+    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE, 0,
                                                     [], FINGERPRINT))
     assert decode.unreachable == {}
     assert registry.paired()

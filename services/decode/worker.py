@@ -94,7 +94,7 @@ class DecodeWorker(WorkerLoop):
         self.last_busy = float("-inf")
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
-                          PoolGone: self._on_pool_gone}, stream)
+                          PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,

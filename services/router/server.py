@@ -48,8 +48,8 @@ async def serve(config: Config) -> int:
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
-    limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"], config.defaults.max_tokens,
-                         config.router.max_prompt_bytes, sampling_defaults(checkpoint))
+    limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"],
+                         config.defaults.max_tokens, config.router.max_prompt_bytes, sampling_defaults(checkpoint))
     # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
     os.chmod(config.router.runtime_dir, 0o700)
 

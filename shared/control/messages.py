@@ -47,7 +47,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
@@ -136,6 +136,9 @@ class Register:
     pid: int                   # for operators' logs only
     total_pages: int
     page_size: int
+    # A decode's decode.max_batch_size: the router places no more requests on it at once, so that
+    # none waits for a batch slot with the handoff's timeout running; 0 for a prefill.
+    max_batch_size: int
     # A prefill's pool, by each kind of transfer it offers, best first (shared/kv/transfer/choice.py);
     # empty for a decode.
     pool_handles: list[KvPoolHandle]
