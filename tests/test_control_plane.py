@@ -310,20 +310,19 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
         call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 100), timeout=60)))
         task = prefill.receive(PrefillTask)
         rid = task.request_id
-        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None,
-                             0.0, 0.0, time.time(), 0))
+        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None, 0.0, 0))
         assert decode.receive(DecodeTask).request_id == rid
         # Forgeries: the other decode, and the prefill speaking as a decode.
-        other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)], time.time()))
+        other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)]))
         other.send(Failed(rid, ErrorCode.INTERNAL, "forged"))
-        other.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
-        prefill.send(TokenBatch([TokenOut(rid, 777, FinishReason.STOP)], time.time()))
+        other.send(KvPulled(rid, "prefill-0", 0.0))
+        prefill.send(TokenBatch([TokenOut(rid, 777, FinishReason.STOP)]))
         with pytest.raises(TimeoutError):
             prefill.receive(ReleaseKv, timeout_s=1.0)  # the forged KvPulled freed nothing
-        decode.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
+        decode.send(KvPulled(rid, "prefill-0", 0.0))
         assert prefill.receive(ReleaseKv).request_id == rid
-        decode.send(TokenBatch([TokenOut(rid, 43, None)], time.time()))
-        decode.send(TokenBatch([TokenOut(rid, 44, FinishReason.LENGTH)], time.time()))
+        decode.send(TokenBatch([TokenOut(rid, 43, None)]))
+        decode.send(TokenBatch([TokenOut(rid, 44, FinishReason.LENGTH)]))
         chunks = call.result(timeout=30)
     assert [t for c in chunks for t in c.token_ids] == [42, 43, 44]
     assert chunks[-1].finish_reason == "length"
@@ -339,7 +338,7 @@ def test_a_cancel_during_the_pull_gives_the_prefills_pages_back_at_once(router_a
     stream = stack.stub.Generate(_greedy("Hello", 100), timeout=60)  # only decode-0 holds 100 tokens
     task = prefill.receive(PrefillTask)
     prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([3]), len(task.prompt_token_ids), 42, None,
-                         0.0, 0.0, time.time(), 0))
+                         0.0, 0))
     assert next(stream).token_ids == [42]
     assert decode.receive(DecodeTask).request_id == task.request_id
     stream.cancel()

@@ -169,7 +169,6 @@ class Generation:
                 yield Chunk(token_ids, "".join(pieces))
                 continue
             timer.succeeded(finish, generated)
-            inflight.clock.fill(inflight.timings)
             usage = Usage(len(inflight.job.prompt_token_ids), generated, inflight.timings.cached_prompt_tokens)
             yield Chunk(token_ids, "".join(pieces), finish, usage, inflight.timings)
             return

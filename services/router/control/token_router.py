@@ -122,7 +122,6 @@ class TokenRouter:
         if early:
             self._abort_on_workers(request)
             self._end(request)
-        request.clock.fill(request.timings)
         log.info("request finished", request_id=request.request_id, label=request.label, aborted=early,
                  prefill=request.prefill.worker_id if request.prefill else None,
                  decode=request.decode.worker_id if request.decode else None,
@@ -141,7 +140,7 @@ class TokenRouter:
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
         self.socket.send(request.prefill, PrefillTask(request.request_id, job.prompt_token_ids, job.sampling,
-                                                      job.stop, time.time()))
+                                                      job.stop))
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
@@ -242,11 +241,9 @@ class TokenRouter:
             return
         prefill.pending_tokens.pop(request.request_id, None)
         timings = request.timings
-        timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
+        timings.first_token(time.perf_counter() - request.submitted_at, message.compute_s)
         timings.cached_prompt_tokens = message.cached_tokens
-        timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
-        metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + message.queued_s)
-        request.clock.kv_ready_at = message.ready_at
+        metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + timings.prefill_queue_s)
         if message.finish_reason is not None:
             self.socket.send(prefill, ReleaseKv(request.request_id))
             self._end(request, TokenEvent(message.first_token_id, message.finish_reason))
@@ -265,7 +262,6 @@ class TokenRouter:
         self._release_handoff(message.request_id)
         request = self.requests.get(message.request_id)
         if request is not None and request.decode is peer.worker:
-            request.clock.pulled_at = message.pulled_at
             metrics.observe(metrics.KV_PULL, message.pull_s)
             if Admission.release(request.prefill, request):
                 self.admission.admit_waiting()
@@ -281,22 +277,27 @@ class TokenRouter:
         if decode is None or decode.role != Role.DECODE:
             return
         now = time.monotonic()
+        joined = {j.request_id: j.queued_s for j in message.joined}  # requests in their first step
         for token in message.tokens:
             request = self.requests.get(token.request_id)
             if request is None or request.decode is not decode or request.stage != Stage.DECODE:
                 if token.finish_reason is None:
                     self.socket.send(decode, Abort(token.request_id))  # decoding what nobody waits for
                 continue
-            clock = request.clock
-            if not clock.first_step_started_at:  # its first decode step
-                clock.first_step_started_at, clock.first_step_received_at = message.step_started_at, time.time()
-                metrics.observe(metrics.KV_HANDOFF, message.step_started_at - clock.kv_ready_at)
+            if token.request_id in joined:
+                self._second_token(request, joined[token.request_id], message.step_s)
             event = TokenEvent(token.token_id, token.finish_reason)
             if token.finish_reason is not None:
                 self._end(request, event)
             else:
                 request.deadline = now + self.settings.decode_token_timeout_s
                 request.events.put_nowait(event)
+
+    @staticmethod
+    def _second_token(request: InflightRequest, queued_s: float, step_s: float) -> None:
+        timings = request.timings
+        timings.second_token(time.perf_counter() - request.submitted_at, queued_s, step_s)
+        metrics.observe(metrics.KV_HANDOFF, timings.kv_handoff_s + timings.decode_queue_s)
 
     def _on_failed(self, peer: Peer, message: Failed) -> None:
         sender = peer.worker
