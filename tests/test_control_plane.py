@@ -34,6 +34,7 @@ from shared.control.messages import (
     Refused,
     Registered,
     ReleaseKv,
+    Reregister,
     Role,
     TokenBatch,
     TokenOut,
@@ -262,6 +263,25 @@ def test_a_worker_of_another_model_never_pairs(stack, tmp_path):
         misfit.stop()
 
 
+def test_a_second_decode_under_a_live_decodes_id_is_refused_and_evicts_nothing(stack, tmp_path):
+    """A second stack's decode-0 on this stack's runtime folder reaches this stack's router: refused
+    with the reason (it exits EXIT_REFUSED, not restarted), while this stack's decode-0 keeps its
+    registration and serves."""
+    registered = stack.log_path("router").read_text().count('"worker registered"')
+    evicted = stack.log_path("decode").read_text().count("registering again")
+    double = ServiceStack(tmp_path, CACHE_DIR, services=("decode",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env[
+        "PDSERVE_ROUTER_RUNTIME_DIR"])
+    try:
+        double.start("decode")
+        assert double.processes["decode"].wait(timeout=120) == EXIT_REFUSED
+        assert "worker id 'decode-0' is held by a live worker" in double.log_path("decode").read_text()
+    finally:
+        double.stop()
+    assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+    assert stack.log_path("router").read_text().count('"worker registered"') == registered
+    assert stack.log_path("decode").read_text().count("registering again") == evicted
+
+
 def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoint, tmp_path):
     stack = ServiceStack(tmp_path, CACHE_DIR, services=("prefill",), PDSERVE_WORKER_REGISTER_TIMEOUT_S="2")
     try:
@@ -354,6 +374,32 @@ def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_
         peers["decode"].receive(Abort, timeout_s=1.0)
     peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])
     assert peers["decode"].receive(Abort).request_id == "a-request-the-router-never-made"
+
+
+def test_a_live_workers_id_is_refused_to_another_process_and_taken_back_once_that_one_is_gone(router_and_peers):
+    """A second process under decode-0's id (a second stack on the same runtime folder) is refused
+    while decode-0 beats and its connection is there, and evicts nothing; once decode-0's process is
+    gone (its connection closed), a new incarnation takes the id at once, long before the 120 s
+    heartbeat timeout would have dropped the old one."""
+    stack, peers = router_and_peers
+    endpoint, live = f"ipc://{stack.workdir}/run/router.ipc", peers["decode"]
+    double = ProtocolPeer(endpoint, "decode-0", Role.DECODE, live.fingerprint, incarnation="a-second-stack")
+    try:
+        double.register()
+        reason = double.receive(Refused).reason
+        assert "worker id 'decode-0' is held by a live worker" in reason and "another stack" in reason
+        assert live.receive(Registered).router_epoch == live.epoch  # the probe, which a worker ignores
+        live.heartbeat()
+        with pytest.raises(TimeoutError):
+            live.receive(Reregister, timeout_s=1.0)  # still the router's decode-0
+    finally:
+        double.close()
+    live.close()  # the process dies: its connection goes with it
+    restarted = ProtocolPeer(endpoint, "decode-0", Role.DECODE, live.fingerprint, incarnation="restarted")
+    peers["decode"] = restarted  # the fixture closes it
+    restarted.register()
+    assert restarted.receive(Registered, timeout_s=30).router_epoch == live.epoch
+    assert "decode-0" in {w.worker_id for w in stack.workers()}
 
 
 def test_a_worker_of_another_protocol_version_is_refused_with_the_reason(router_and_peers):

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from services.router.control.registration import RegistrationPolicy
 from services.router.control.request import InflightRequest
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.validation import Job
 from shared.config import RoutingConfig
-from shared.control.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
+from shared.control.messages import (
+    PROTOCOL_VERSION,
+    KvCacheEvents,
+    ModelFingerprint,
+    Register,
+    Role,
+    SamplingParams,
+    StopParams,
+)
 from shared.kv.page_keys import page_keys
 
 PAGE = 16
@@ -101,6 +112,13 @@ def test_a_decode_whose_batch_is_full_is_no_candidate_though_its_pool_has_room()
     assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) is None
     del full.reservations["a"]
     assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) == (prefill, full)
+
+
+def test_a_decode_that_registers_no_batch_slot_is_refused():
+    policy = RegistrationPolicy(PAGE, (FINGERPRINT.config_sha, FINGERPRINT.weights_sha, FINGERPRINT.tokenizer_sha), None)
+    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "inc", 1, 100, PAGE, 0, [], FINGERPRINT)
+    assert policy.refusal(decode, None, WorkerRegistry()) == "max_batch_size 0: a decode must run at least one request"
+    assert policy.refusal(dataclasses.replace(decode, max_batch_size=1), None, WorkerRegistry()) == ""
 
 
 def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():

@@ -5,7 +5,9 @@ Health is SERVING only while at least one prefill and one decode are registered.
 the gRPC way: health NOT_SERVING, both fronts stop taking calls and let in-flight streams finish
 for the grace period, then the token router stops and fails the rest explicitly. A stop signal
 starts it, and so does a background task that dies (shared/runtime/tasks.py): then serve()
-returns 1, so that the process exits non-zero and its supervisor restarts it.
+returns 1, so that the process exits non-zero and its supervisor restarts it. A router that cannot
+start, because another router holds its runtime folder or another process an address it binds, or
+its checkpoint cannot be served, exits EXIT_REFUSED with the reason: a restart would meet it again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from shared.model.generation_config import sampling_defaults
 from shared.model.loader import config_dict, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
+from shared.runtime.binding import bind_or_refuse
 from shared.runtime.process import SystemdNotify
+from shared.runtime.runtime_dir import claim_runtime_dir
 from shared.runtime.tasks import ServiceStop, spawn
 
 log = structlog.get_logger()
@@ -44,7 +48,10 @@ ADMIN_SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Admin"].full_na
 
 
 async def serve(config: Config) -> int:
-    """Serves until a stop signal or a failed background task; returns the process's exit code."""
+    """Serves until a stop signal or a failed background task; returns the process's exit code.
+    Raises a FatalError when it cannot start (a taken runtime folder or address, a checkpoint it
+    cannot serve)."""
+    claim = claim_runtime_dir(config.router.runtime_dir)  # before anything binds: one router per folder
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
@@ -74,10 +81,9 @@ async def serve(config: Config) -> int:
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = tls_credentials(config.router)
-    if credentials is None:
-        server.add_insecure_port(config.router.grpc_address)
-    else:
-        server.add_secure_port(config.router.grpc_address, credentials)
+    address = config.router.grpc_address
+    bind_or_refuse("router.grpc_address", address, lambda: server.add_insecure_port(address) if credentials is None
+                   else server.add_secure_port(address, credentials))
     http = None
     if config.router.http_address:
         app = create_app(frontend, config.router.served_model_name or config.model.path,
@@ -86,7 +92,7 @@ async def serve(config: Config) -> int:
     await router.start()
     await server.start()
     if http is not None:
-        http.start(stop.fail)
+        bind_or_refuse("router.http_address", config.router.http_address, lambda: http.start(stop.fail))
     metrics.serve(config.router.metrics_address, metrics.ROUTER)
     log.info("router serving", grpc=config.router.grpc_address, http=config.router.http_address,
              zmq=config.router.zmq_endpoint())
@@ -110,5 +116,6 @@ async def serve(config: Config) -> int:
     # no front hands it a request after it stopped.
     await asyncio.gather(server.stop(config.router.grace_period_s), *([http.stop()] if http else []))
     await router.stop()
+    claim.close()
     log.info("router stopped", exit_code=stop.exit_code)
     return stop.exit_code

@@ -53,7 +53,8 @@ class ErrorCode(StrEnum):
 # Bumped on any change to the messages below: the router refuses a worker of another version.
 PROTOCOL_VERSION = 4
 
-# Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
+# Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
+# the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
 EXIT_REFUSED = 78
 
