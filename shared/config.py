@@ -80,8 +80,9 @@ class RouterConfig:
     progress_timeout_s: float = _positive(default=120.0)
     # Every stage of a request has a timeout, so that a lost frame or a wedged peer ends it with
     # UNAVAILABLE instead of never: the prefill's queue and compute (PrefillTask -> KvReady), the
-    # handoff (KvReady -> the decode's first token, which includes waiting for a batch slot), and
-    # the decode (the longest gap between two tokens). The router queue's is admission_timeout_s.
+    # handoff (KvReady -> the decode's first token), and the decode (the longest gap between two
+    # tokens). The router queue's is admission_timeout_s, which also covers waiting for a decode's
+    # batch slot (decode.max_batch_size).
     prefill_timeout_s: float = _positive(default=600.0)
     handoff_timeout_s: float = _positive(default=120.0)
     decode_token_timeout_s: float = _positive(default=60.0)
@@ -254,6 +255,8 @@ class DecodeConfig:
     worker_id: str = "decode-0"
     # Empty means the upper half of the allowed cores (disjoint from the prefill's default).
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
+    # The most requests the decode steps at once. It tells the router in Register, which places no
+    # more on it: the next waits in admission (router.admission_timeout_s), not in the decode.
     max_batch_size: int = _positive(default=64)
     # GPU only: the worker id of a prefill on the same GPU whose weights this decode maps through
     # CUDA IPC instead of loading its own copy; empty: load a copy.

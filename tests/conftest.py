@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,11 @@ if not torch.cuda.is_available():
 from tests.stack import ServiceStack  # noqa: E402
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
+# The session stack's workers run with their wall clocks 10 minutes off the router's, each its own
+# way (tests/clock_skew/sitecustomize.py): what holds there holds across hosts.
+CLOCK_SKEW = Path(__file__).parent / "clock_skew"
+SKEWED_CLOCKS = {role: {"PYTHONPATH": os.pathsep.join(filter(None, [str(CLOCK_SKEW), os.environ.get("PYTHONPATH")])),
+                        "CLOCK_SKEW_S": skew} for role, skew in (("prefill", "600"), ("decode", "-600"))}
 
 
 @pytest.fixture(autouse=True)
@@ -53,11 +59,12 @@ def reference_model(checkpoint):
 
 @pytest.fixture(scope="session")
 def stack(checkpoint, tmp_path_factory):
-    """Router, prefill and decode as real processes on a free port; torn down with SIGTERM.
+    """Router, prefill and decode as real processes on a free port, the workers' clocks skewed
+    (SKEWED_CLOCKS); torn down with SIGTERM.
 
     At teardown it checks what every test owes: both pools have every page free again, each
     service exits 0, and no shared-memory segment is left behind.
     """
-    with ServiceStack(tmp_path_factory.mktemp("stack"), CACHE_DIR) as services:
+    with ServiceStack(tmp_path_factory.mktemp("stack"), CACHE_DIR, service_env=SKEWED_CLOCKS) as services:
         yield services
         services.stop_drained()

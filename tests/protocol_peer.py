@@ -21,13 +21,16 @@ from shared.kv.pool import make_layout
 
 class ProtocolPeer:
     def __init__(self, endpoint: str, worker_id: str, role: Role, fingerprint: ModelFingerprint,
-                 total_pages: int = 64, page_size: int = 16, curve: tuple[Path, Path] | None = None):
+                 total_pages: int = 64, page_size: int = 16, max_batch_size: int = 64,
+                 incarnation: str = "peer-incarnation", curve: tuple[Path, Path] | None = None):
         """curve: on a tcp:// router, the peer's secret-key certificate and the router's public one."""
         self.worker_id = worker_id
         self.fingerprint = fingerprint
         self.role = role
         self.total_pages = total_pages
         self.page_size = page_size
+        self.max_batch_size = max_batch_size if role == Role.DECODE else 0
+        self.incarnation = incarnation
         self.epoch = ""
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.DEALER)
@@ -58,8 +61,8 @@ class ProtocolPeer:
         if self.role == Role.PREFILL:  # a pool nobody can map: this peer never hands KV over for real
             layout = make_layout(1, self.total_pages, self.page_size, 1, 8, torch.float32)
             handles = [KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout)]
-        self.send(Register(self.worker_id, self.role, protocol_version, "peer-incarnation", 0, self.total_pages,
-                           self.page_size, handles, self.fingerprint))
+        self.send(Register(self.worker_id, self.role, protocol_version, self.incarnation, 0, self.total_pages,
+                           self.page_size, self.max_batch_size, handles, self.fingerprint))
 
     def heartbeat(self, holding: list[str] = ()) -> None:
         self.send(Heartbeat(self.worker_id, self.epoch, self.total_pages, 0, 0, 0.0, list(holding)))

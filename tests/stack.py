@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 from services.stack.local import SERVICES, LocalStack, free_port
 from services.stack.supervisor import REPO
@@ -19,6 +20,12 @@ class ServiceStack(LocalStack):
                 raise TimeoutError(f"the router still lists a {role} worker")
             time.sleep(0.1)
         return time.monotonic() - started
+
+    def metric(self, name: str, service: str = "router") -> float:
+        """A Prometheus metric of a service, summed over its labels."""
+        text = urllib.request.urlopen(self.metrics_url(service), timeout=5).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(name + " ") or line.startswith(name + "{"))
 
     def stop_drained(self) -> None:
         """The end of a test's stack: every pool drained, then every service exits 0."""

@@ -34,6 +34,7 @@ from shared.control.messages import (
     Refused,
     Registered,
     ReleaseKv,
+    Reregister,
     Role,
     TokenBatch,
     TokenOut,
@@ -214,6 +215,24 @@ def test_a_request_past_its_stage_timeout_ends_unavailable_and_frees_its_pages(c
         assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
 
 
+def test_a_full_slow_batch_makes_the_next_request_wait_in_admission_not_fail_at_the_handoff(checkpoint, tmp_path):
+    """One batch slot (decode.max_batch_size 1), taken by a long stream: the next request waits in the
+    router's admission queue, not in the decode's, where router.handoff_timeout_s (2 s) would end it
+    UNAVAILABLE; it is placed once the first ends, and streams whole."""
+    settings = {"PDSERVE_DECODE_MAX_BATCH_SIZE": "1", "PDSERVE_ROUTER_HANDOFF_TIMEOUT_S": "2",
+                "PDSERVE_KV_TRANSFER_TIMEOUT_S": "1", "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "120"}
+    with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack, ThreadPoolExecutor(1) as pool:
+        first = stack.stub.Generate(_greedy("Count to one thousand:", 300), timeout=120)
+        received = len(next(first).token_ids)
+        second = pool.submit(_outcome, stack.stub, _greedy("Hello", 8))
+        deadline = time.monotonic() + stack.config.router.admission_timeout_s
+        while not second.done() and stack.metric("pdserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stack.metric("pdserve:num_requests_waiting") == 1, second.result()  # before the fix: placed at once
+        received += sum(len(chunk.token_ids) for chunk in first)
+        assert (received, second.result(timeout=120)) == (300, 8)
+
+
 # ---- registration as a handshake ----
 
 def test_a_worker_the_router_refuses_exits_and_is_never_listed(stack, tmp_path):
@@ -242,6 +261,25 @@ def test_a_worker_of_another_model_never_pairs(stack, tmp_path):
         assert "decode-misfit" not in {w.worker_id for w in stack.workers()}
     finally:
         misfit.stop()
+
+
+def test_a_second_decode_under_a_live_decodes_id_is_refused_and_evicts_nothing(stack, tmp_path):
+    """A second stack's decode-0 on this stack's runtime folder reaches this stack's router: refused
+    with the reason (it exits EXIT_REFUSED, not restarted), while this stack's decode-0 keeps its
+    registration and serves."""
+    registered = stack.log_path("router").read_text().count('"worker registered"')
+    evicted = stack.log_path("decode").read_text().count("registering again")
+    double = ServiceStack(tmp_path, CACHE_DIR, services=("decode",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env[
+        "PDSERVE_ROUTER_RUNTIME_DIR"])
+    try:
+        double.start("decode")
+        assert double.processes["decode"].wait(timeout=120) == EXIT_REFUSED
+        assert "worker id 'decode-0' is held by a live worker" in double.log_path("decode").read_text()
+    finally:
+        double.stop()
+    assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+    assert stack.log_path("router").read_text().count('"worker registered"') == registered
+    assert stack.log_path("decode").read_text().count("registering again") == evicted
 
 
 def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoint, tmp_path):
@@ -292,23 +330,40 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
         call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 100), timeout=60)))
         task = prefill.receive(PrefillTask)
         rid = task.request_id
-        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None,
-                             0.0, 0.0, time.time(), 0))
+        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None, 0.0, 0))
         assert decode.receive(DecodeTask).request_id == rid
         # Forgeries: the other decode, and the prefill speaking as a decode.
-        other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)], time.time()))
+        other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)]))
         other.send(Failed(rid, ErrorCode.INTERNAL, "forged"))
-        other.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
-        prefill.send(TokenBatch([TokenOut(rid, 777, FinishReason.STOP)], time.time()))
+        other.send(KvPulled(rid, "prefill-0", 0.0))
+        prefill.send(TokenBatch([TokenOut(rid, 777, FinishReason.STOP)]))
         with pytest.raises(TimeoutError):
             prefill.receive(ReleaseKv, timeout_s=1.0)  # the forged KvPulled freed nothing
-        decode.send(KvPulled(rid, "prefill-0", 0.0, time.time()))
+        decode.send(KvPulled(rid, "prefill-0", 0.0))
         assert prefill.receive(ReleaseKv).request_id == rid
-        decode.send(TokenBatch([TokenOut(rid, 43, None)], time.time()))
-        decode.send(TokenBatch([TokenOut(rid, 44, FinishReason.LENGTH)], time.time()))
+        decode.send(TokenBatch([TokenOut(rid, 43, None)]))
+        decode.send(TokenBatch([TokenOut(rid, 44, FinishReason.LENGTH)]))
         chunks = call.result(timeout=30)
     assert [t for c in chunks for t in c.token_ids] == [42, 43, 44]
     assert chunks[-1].finish_reason == "length"
+    assert all(w.reserved_pages == 0 for w in stack.workers())
+
+
+def test_a_cancel_during_the_pull_gives_the_prefills_pages_back_at_once(router_and_peers):
+    """The decode is still reading the prompt's pages (a NIXL read in flight: here a decode that has
+    not answered its DecodeTask) when the client cancels: the prefill hears ReleaseKv at once, not
+    at router.handoff_timeout_s (120 s here), so the router never counts on room the prefill lacks."""
+    stack, peers = router_and_peers
+    prefill, decode = peers["prefill"], peers["decode"]
+    stream = stack.stub.Generate(_greedy("Hello", 100), timeout=60)  # only decode-0 holds 100 tokens
+    task = prefill.receive(PrefillTask)
+    prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([3]), len(task.prompt_token_ids), 42, None,
+                         0.0, 0))
+    assert next(stream).token_ids == [42]
+    assert decode.receive(DecodeTask).request_id == task.request_id
+    stream.cancel()
+    assert decode.receive(Abort).request_id == task.request_id
+    assert prefill.receive(ReleaseKv, timeout_s=30).request_id == task.request_id
     assert all(w.reserved_pages == 0 for w in stack.workers())
 
 
@@ -319,6 +374,32 @@ def test_the_router_aborts_what_a_worker_holds_that_it_does_not_know(router_and_
         peers["decode"].receive(Abort, timeout_s=1.0)
     peers["decode"].heartbeat(holding=["a-request-the-router-never-made"])
     assert peers["decode"].receive(Abort).request_id == "a-request-the-router-never-made"
+
+
+def test_a_live_workers_id_is_refused_to_another_process_and_taken_back_once_that_one_is_gone(router_and_peers):
+    """A second process under decode-0's id (a second stack on the same runtime folder) is refused
+    while decode-0 beats and its connection is there, and evicts nothing; once decode-0's process is
+    gone (its connection closed), a new incarnation takes the id at once, long before the 120 s
+    heartbeat timeout would have dropped the old one."""
+    stack, peers = router_and_peers
+    endpoint, live = f"ipc://{stack.workdir}/run/router.ipc", peers["decode"]
+    double = ProtocolPeer(endpoint, "decode-0", Role.DECODE, live.fingerprint, incarnation="a-second-stack")
+    try:
+        double.register()
+        reason = double.receive(Refused).reason
+        assert "worker id 'decode-0' is held by a live worker" in reason and "another stack" in reason
+        assert live.receive(Registered).router_epoch == live.epoch  # the probe, which a worker ignores
+        live.heartbeat()
+        with pytest.raises(TimeoutError):
+            live.receive(Reregister, timeout_s=1.0)  # still the router's decode-0
+    finally:
+        double.close()
+    live.close()  # the process dies: its connection goes with it
+    restarted = ProtocolPeer(endpoint, "decode-0", Role.DECODE, live.fingerprint, incarnation="restarted")
+    peers["decode"] = restarted  # the fixture closes it
+    restarted.register()
+    assert restarted.receive(Registered, timeout_s=30).router_epoch == live.epoch
+    assert "decode-0" in {w.worker_id for w in stack.workers()}
 
 
 def test_a_worker_of_another_protocol_version_is_refused_with_the_reason(router_and_peers):

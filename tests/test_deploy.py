@@ -148,8 +148,8 @@ def test_every_service_is_confined_further(name):
     assert "Service.MemoryDenyWriteExecute" not in unit  # Triton's and CUDA's JIT
 
 
-@pytest.mark.parametrize("name", [*WORKERS.values(), "pdserve-colocated@.service"])
-def test_a_worker_the_router_refused_is_not_restarted(name):
+@pytest.mark.parametrize("name", [*WORKERS.values(), "pdserve-colocated@.service", "pdserve-router.service"])
+def test_a_service_refused_is_not_restarted(name):
     assert directives(name)["Service.RestartPreventExitStatus"] == [str(EXIT_REFUSED)]
 
 

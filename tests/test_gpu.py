@@ -104,17 +104,17 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
         torch.cuda.synchronize()
         assert [p.request_id for p in puller.landed()] == ["warm-up"]
         torch.cuda._sleep(400_000_000)  # at least 0.2 s at any clock up to 2 GHz
-        started = time.time()
+        started = time.perf_counter()
         pull("a", range(100, 228), range(0, 128))
         pull("b", range(300, 364), range(128, 192))
         assert puller.copying and puller.landed() == [], "reported before the device copied"
         pull("c", range(380, 508), range(128, 256))  # its ids overwrite a's slice: a's copy must be done
         puller.unmap_pool("prefill-test")
         landed = puller.landed()
-        seen = time.time()
+        seen = time.perf_counter()
         assert [p.request_id for p in landed] == ["a", "b", "c"], landed
-        assert all(started + 0.1 < p.landed_at <= seen for p in landed), (started, seen, landed)
-        assert landed[0].landed_at <= landed[1].landed_at <= landed[2].landed_at
+        assert all(started + 0.1 < p.landed.at <= seen for p in landed), (started, seen, landed)
+        assert landed[0].landed.at <= landed[1].landed.at <= landed[2].landed.at
         print(*[local.kv[:, list(pages)].view(torch.int16).double().sum().item()
                 for pages in (range(0, 128), range(128, 256))])
     """)
@@ -122,6 +122,28 @@ def test_pull_lands_only_after_the_device_copied_it(tmp_path):
     assert out.returncode == 0, out.stderr
     assert [float(v) for v in out.stdout.split()[-2:]] == expected
     exported.close()
+
+
+def test_a_step_launched_before_its_copy_ended_is_dated_after_it_on_the_device():
+    """The decode queue's two ends: the copy's end and the step's start. The host launches the step
+    while the copy still waits behind other work (here a sleep kernel): by the host's launch time
+    the step began 0.2 s before the copy ended (the H200 run's -0.083 s decode queue). Dated on the
+    device, it began after it, and the wait between them is the device's own."""
+    from shared.kernels.device import date_moments, mark
+
+    device = torch.device("cuda:0")
+    source = torch.randn(1 << 20, device=device)
+    target = torch.empty_like(source)
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        torch.cuda._sleep(400_000_000)  # at least 0.2 s at any clock up to 2 GHz
+        target.copy_(source)
+        copied = mark(device)  # as the decode's copy records its event (shared/kv/transfer/local_copy.py)
+        launched = time.perf_counter()
+        step = mark(device)
+        date_moments([copied, step], device)
+    assert launched < copied.at - 0.1  # the host's stamp: a negative queue
+    assert copied.seconds_until(step) >= 0  # the device's: two events of one stream
+    assert step.at - copied.at == pytest.approx(copied.seconds_until(step), abs=1e-4)  # dated by one probe
 
 
 def test_decode_stream_has_the_highest_priority():

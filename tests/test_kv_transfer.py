@@ -72,7 +72,7 @@ def test_states_progress_in_order_and_the_pages_land_once(local):
         landed = puller.landed()  # polls it once
     assert seen == [TransferState.PREPARING] * 2 + [TransferState.TRANSFERRING] * 2
     assert landed == [transfer] and transfer.state is TransferState.DONE
-    assert transfer.started_at <= transfer.landed_at <= time.time()
+    assert transfer.started_at <= transfer.landed.at <= time.perf_counter()
     assert torch.equal(local.kv[:, [4, 0]], export.pool.kv[:, [9, 2]])
     assert puller.landed() == [] and not puller.copying
 
@@ -84,7 +84,7 @@ def test_a_state_never_goes_back(local):
         transfer.advance(TransferState.PREPARING)
     transfer.fail("lost")
     with pytest.raises(RuntimeError):
-        transfer.land(time.time())
+        transfer.land()
 
 
 @pytest.mark.parametrize("fail_at", [TransferState.PREPARING, TransferState.TRANSFERRING])
@@ -234,6 +234,25 @@ def test_a_request_steps_only_once_its_transfer_is_done(decode):
     [pulled] = decode.link.of(KvPulled)
     assert (pulled.request_id, pulled.prefill_worker_id) == ("r1", "prefill-0")
     assert decode.link.sent.index(pulled) < decode.link.sent.index(decode.link.of(TokenBatch)[0])
+
+
+def test_a_requests_first_step_reports_how_long_its_pages_waited_and_later_steps_do_not(decode):
+    """Durations of the decode's own clock, for the router to take out of its own (StageTimings):
+    the wait runs from the pages landing (the transfer's DONE) to the step's start."""
+    decode_export(decode, Script(polls_per_state=2))
+    decode._on_task(task([5, 2]))
+    before = time.perf_counter()
+    while not decode.link.of(TokenBatch):
+        decode.step()
+    after = time.perf_counter()
+    first = decode.link.of(TokenBatch)[0]
+    [joined] = first.joined
+    assert joined.request_id == "r1" and 0 <= joined.queued_s and 0 < first.step_s
+    assert joined.queued_s + first.step_s <= after - before
+    assert decode.running[0].handoff is None  # let go of at its first step
+    decode.step()
+    later = decode.link.of(TokenBatch)[1]
+    assert (later.step_s, later.joined) == (0.0, []) and len(later.tokens) == 1
 
 
 @pytest.mark.parametrize("script, reason", [

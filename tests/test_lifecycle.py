@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -15,8 +16,10 @@ import pytest
 import zmq
 
 from pdserve.v1 import generation_pb2
-from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW
+from shared.config import env_name
+from shared.control.messages import EXIT_REFUSED
 from shared.runtime.admin_token import local_admin_token_path
+from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW
 from tests.stack import REPO, ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -94,6 +97,72 @@ def test_router_survives_garbage_frames(stack):
     chunks = list(stack.stub.Generate(request, timeout=60))
     assert sum(len(c.token_ids) for c in chunks) == 2
     assert "malformed" in stack.log_path("router").read_text()
+
+
+# ---- a second stack on this host, on the first one's ports and runtime folder ----
+
+def _same_place_as(stack) -> dict[str, str]:
+    """The first stack's settings: its addresses and runtime folder, as a second `make run` takes the defaults."""
+    return {name: value for name, value in stack.env.items() if name.startswith("PDSERVE_")}
+
+
+def _served_unchanged(stack, registered_before: str) -> None:
+    """The first stack serves on, and no worker of it registered again."""
+    request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=2, ignore_eos=True, temperature=0)
+    assert sum(len(c.token_ids) for c in stack.stub.Generate(request, timeout=60)) == 2
+    assert {w.worker_id for w in stack.workers()} == {"prefill-0", "decode-0"}
+    assert stack.log_path("router").read_text().count('"worker registered"') == registered_before.count(
+        '"worker registered"')
+
+
+def test_a_second_stack_on_the_first_ones_place_stops_at_once_naming_what_is_taken(stack, tmp_path):
+    """A second `make run` beside a running one: its launcher starts nothing (no router that cannot
+    bind, restarted until the supervisor gives up; no workers that reach the first's router through
+    the shared runtime folder), exits 2 and names the folder and each address taken."""
+    before = stack.log_path("router").read_text()
+    second = ServiceStack(tmp_path, os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve"),
+                          services=("stack",), **_same_place_as(stack))
+    try:
+        second.start("stack")
+        assert second.processes["stack"].wait(timeout=120) == 2
+        said = second.log_path("stack").read_text()
+    finally:
+        second.stop()
+    folder, router_pid = stack.env["PDSERVE_ROUTER_RUNTIME_DIR"], stack.processes["router"].pid
+    assert f"runtime folder {folder} is held by another router (pid {router_pid})" in said
+    for setting in ("grpc_address", "http_address", "metrics_address"):
+        assert f"router.{setting} {stack.env[env_name('router', setting)]}: Address already in use" in said
+    assert "service started" not in said
+    _served_unchanged(stack, before)
+
+
+def test_a_second_router_on_a_held_runtime_folder_exits_refused_and_leaves_the_first_ones_socket(stack, tmp_path):
+    """Started by hand or by systemd, without the launcher's check: ZeroMQ would bind over the first
+    router's socket and draw its workers; the second router exits EXIT_REFUSED before it binds anything."""
+    before = stack.log_path("router").read_text()
+    second = ServiceStack(tmp_path, os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve"),
+                          services=("router",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env["PDSERVE_ROUTER_RUNTIME_DIR"])
+    try:
+        second.start("router")
+        assert second.processes["router"].wait(timeout=120) == EXIT_REFUSED
+    finally:
+        second.stop()
+    assert "is held by another router" in second.log_path("router").read_text()
+    _served_unchanged(stack, before)
+
+
+def test_a_router_whose_port_is_taken_exits_refused_naming_it(tmp_path, checkpoint):
+    """Not a crash to restart: the supervisor and systemd leave EXIT_REFUSED alone."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        router = ServiceStack(tmp_path, os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve"),
+                              services=("router",), PDSERVE_ROUTER_GRPC_ADDRESS=address)
+        try:
+            router.start("router")
+            assert router.processes["router"].wait(timeout=120) == EXIT_REFUSED
+        finally:
+            router.stop()
+    assert f"router.grpc_address {address} cannot be bound" in router.log_path("router").read_text()
 
 
 # The router, with its liveness check made to raise: the token router's timeouts loop fails every tick,

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,12 +52,6 @@ def _served_by(stack) -> dict[str, Counter]:
     return served
 
 
-def _router_metric(stack, name: str) -> float:
-    text = urllib.request.urlopen(stack.metrics_url("router"), timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
-
-
 @pytest.fixture(scope="module")
 def references(tokenizer, reference_model):
     return [reference_greedy(reference_model, tokenizer(p)["input_ids"], MAX_TOKENS) for p in PROMPTS]
@@ -89,7 +82,7 @@ def test_a_killed_prefill_loses_none_of_its_queued_requests(checkpoint, tmp_path
             time.sleep(1.5)  # each prefill computes one and queues the others
             stack.signal("prefill-0", signal.SIGKILL)
             assert [len(call.result(timeout=300)) for call in calls] == [4] * len(prompts)
-        assert _router_metric(stack, "pdserve:request_retries_total") >= 1
+        assert stack.metric("pdserve:request_retries_total") >= 1
         assert "request moved to another prefill" in stack.log_path("router").read_text()
         assert "prefill-0" not in {w.worker_id for w in stack.workers()}
         stack.assert_pools_drained()

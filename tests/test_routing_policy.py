@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from services.router.control.registration import RegistrationPolicy
 from services.router.control.request import InflightRequest
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.validation import Job
 from shared.config import RoutingConfig
-from shared.control.messages import KvCacheEvents, ModelFingerprint, Register, Role, SamplingParams, StopParams
+from shared.control.messages import (
+    PROTOCOL_VERSION,
+    KvCacheEvents,
+    ModelFingerprint,
+    Register,
+    Role,
+    SamplingParams,
+    StopParams,
+)
 from shared.kv.page_keys import page_keys
 
 PAGE = 16
 FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 
 
-def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100) -> WorkerRecord:
-    return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages, [], FINGERPRINT)
+def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100,
+            max_batch_size: int = 64) -> WorkerRecord:
+    return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages,
+                        max_batch_size if role == Role.DECODE else 0, [], FINGERPRINT)
 
 
 def _request(tokens: list[int], max_tokens: int = 8, cache_salt: str = "") -> InflightRequest:
@@ -100,6 +113,26 @@ def test_draining_full_and_failed_workers_are_no_candidates():
     assert policy.pick_prefill([draining, full, failed], request, 2) is None
 
 
+def test_a_decode_whose_batch_is_full_is_no_candidate_though_its_pool_has_room():
+    full, free = _worker("decode-0", Role.DECODE, max_batch_size=2), _worker("decode-1", Role.DECODE)
+    full.reservations.update({"a": 1, "b": 1})
+    free.reservations.update({"c": 50, "d": 40})  # costlier by its pages, but it has a slot
+    prefill = _worker("prefill-0")
+    prefill.reservations.update({f"queued-{i}": 1 for i in range(80)})  # a prefill's queue has no slot bound
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_pair([prefill], [full, free], _request([1, 2, 3]), 1, 1) == (prefill, free)
+    assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) is None
+    del full.reservations["a"]
+    assert policy.pick_pair([prefill], [full], _request([1, 2, 3]), 1, 1) == (prefill, full)
+
+
+def test_a_decode_that_registers_no_batch_slot_is_refused():
+    policy = RegistrationPolicy(PAGE, (FINGERPRINT.config_sha, FINGERPRINT.weights_sha, FINGERPRINT.tokenizer_sha), None)
+    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "inc", 1, 100, PAGE, 0, [], FINGERPRINT)
+    assert policy.refusal(decode, None, WorkerRegistry()) == "max_batch_size 0: a decode must run at least one request"
+    assert policy.refusal(dataclasses.replace(decode, max_batch_size=1), None, WorkerRegistry()) == ""
+
+
 def test_the_router_serves_only_while_some_decode_can_pull_from_some_prefill():
     registry = WorkerRegistry()
     prefill, decode = _worker("prefill-0"), _worker("decode-0", Role.DECODE)
@@ -114,7 +147,7 @@ def test_a_prefill_registering_anew_is_tried_afresh_by_the_decodes_that_could_no
     decode = _worker("decode-0", Role.DECODE)
     decode.unreachable["prefill-0"] = "its old pool was gone"
     registry.workers["decode-0"] = decode
-    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE,
+    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE, 0,
                                                     [], FINGERPRINT))
     assert decode.unreachable == {}
     assert registry.paired()

@@ -5,17 +5,44 @@ started in tests/test_scale_out.py."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 
 import pytest
 
+from services.stack.preflight import bound_addresses, obstacles
 from services.stack.topology import format_cores, plan_workers, split_cores
 from shared.config import ConfigError, add_config_arguments, load_config, parse_cores, parse_devices
+from shared.runtime.runtime_dir import claim_runtime_dir
 
 SIXTEEN = list(range(16))
 
 
 def plan(gpus: int = 0, cores: list[int] = SIXTEEN, **env: str):
     return plan_workers(load_config(None, {f"PDSERVE_{k.upper()}": v for k, v in env.items()}), cores, gpus)
+
+
+def test_the_preflight_names_a_held_runtime_folder_and_each_taken_address(tmp_path):
+    """What `python -m services.stack` checks before starting anything (services/stack/preflight.py)."""
+    folder = str(tmp_path)
+    config = load_config(None, {"PDSERVE_ROUTER_RUNTIME_DIR": folder, "PDSERVE_ROUTER_HTTP_ADDRESS": "",
+                                "PDSERVE_ROUTER_ZMQ_ADDRESS": "tcp://127.0.0.1:5990"})
+    workers = plan_workers(config, SIXTEEN, 0)
+    assert set(bound_addresses(config, workers)) == {
+        "router.grpc_address", "router.metrics_address", "router.zmq_address",
+        "prefill-0's prefill.metrics_address", "decode-0's decode.metrics_address"}  # no HTTP API: nothing bound
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        config.router.grpc_address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config.router.metrics_address = config.decode.metrics_address = config.prefill.metrics_address = ""
+        held = claim_runtime_dir(folder)
+        try:
+            assert obstacles(config, plan_workers(config, SIXTEEN, 0)) == [
+                f"runtime folder {folder} is held by another router (pid {os.getpid()}), of another stack on this "
+                f"host: stop that stack, or give this one a folder of its own (router.runtime_dir)",
+                f"router.grpc_address {config.router.grpc_address}: Address already in use"]
+        finally:
+            held.close()
+    assert obstacles(config, plan_workers(config, SIXTEEN, 0)) == []
 
 
 def test_two_of_each_get_their_own_ids_ports_and_cores():

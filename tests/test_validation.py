@@ -19,6 +19,7 @@ from services.router.validation import (
 from shared.control import wire
 from shared.control.messages import PrefillTask
 from shared.config import RouterConfig
+from shared.model.generation_config import SamplingDefaults
 
 LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)
 PROMPT_IDS = [5, 6, 7, 8]
@@ -128,6 +129,15 @@ def test_default_max_tokens_when_it_fits():
     roomy = ModelLimits(vocab_size=1000, max_context=2048, default_max_tokens=256)
     built = build_job(request(prompt_token_ids=PROMPT_IDS), PROMPT_IDS, roomy)
     assert built.stop.max_tokens == 256
+
+
+def test_the_models_sampling_defaults_fill_only_the_unset_fields():
+    tuned = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256,
+                        sampling=SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20))
+    unset = build_job(request(prompt_token_ids=PROMPT_IDS), PROMPT_IDS, tuned).sampling
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
+    given = build_job(request(prompt_token_ids=PROMPT_IDS, temperature=0.0, top_k=0), PROMPT_IDS, tuned).sampling
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, 0)
 
 
 def test_explicit_values_are_kept():

@@ -22,8 +22,8 @@ FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",
 
 # One instance per message type; where a type has an optional field, both None and set appear.
 SAMPLES = [
-    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, HANDLES, FINGERPRINT),
-    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, [], FINGERPRINT),
+    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, 0, HANDLES, FINGERPRINT),
+    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, 64, [], FINGERPRINT),
     m.Registered(router_epoch="9f8e7d"),
     m.Refused("protocol version 1, but this router speaks 2"),
     m.Heartbeat("decode-0", "9f8e7d", free_pages=2000, running=3, waiting=0, stalled_s=0.25,
@@ -37,15 +37,15 @@ SAMPLES = [
     m.PoolAvailable("prefill-0", HANDLES),
     m.PoolGone("prefill-0"),
     m.PoolUnreachable("prefill-0", "no backend here pulls a 'nixl' pool"),
-    m.PrefillTask("req-1", [1, 2, 3, 49151], "tenant-a", SAMPLING, STOP, sent_at=1795940000.25, generated=2),
-    m.KvReady("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, None, queued_s=0.001, compute_s=0.25,
-              ready_at=1795940000.5, cached_tokens=32),
-    m.KvReady("req-2", "prefill-0", wire.pack_page_ids([3]), 2, 2, m.FinishReason.STOP, queued_s=0.0, compute_s=0.1,
-              ready_at=1795940001.0, cached_tokens=0),
+    m.PrefillTask("req-1", [1, 2, 3, 49151], "tenant-a", SAMPLING, STOP, generated=2),
+    m.KvReady("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, None, compute_s=0.25, cached_tokens=32),
+    m.KvReady("req-2", "prefill-0", wire.pack_page_ids([3]), 2, 2, m.FinishReason.STOP, compute_s=0.1,
+              cached_tokens=0),
     m.DecodeTask("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, SAMPLING, STOP, generated=2),
-    m.KvPulled("req-1", "prefill-0", pull_s=0.003, pulled_at=1.7e9),
+    m.KvPulled("req-1", "prefill-0", pull_s=0.003),
     m.ReleaseKv("req-1"),
-    m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)], 1795940002.25),
+    m.TokenBatch([m.TokenOut("req-1", 18, None), m.TokenOut("req-3", 2, m.FinishReason.LENGTH)], 0.0125,
+                 [m.Joined("req-3", 0.0004)]),
     m.TokenBatch([]),
     m.Abort("req-1"),
     m.Failed("req-1", m.ErrorCode.RESOURCE_EXHAUSTED, "no KV room after 30 s"),
@@ -111,20 +111,20 @@ BAD_FRAMES = {
     "int for str": _frame(HEARTBEAT, 7, "e", 1, 0, 0, 0.0, []),
     "str for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, "now", []),
     "bool for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, True, []),
-    "str for int list": _frame(PREFILL_TASK, "r", "1 2 3", "", SAMPLING_RAW, STOP_RAW, 2.5, 0),
-    "str inside int list": _frame(PREFILL_TASK, "r", [1, "2"], "", SAMPLING_RAW, STOP_RAW, 2.5, 0),
-    "bool inside int list": _frame(PREFILL_TASK, "r", [1, True], "", SAMPLING_RAW, STOP_RAW, 2.5, 0),
-    "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], "", [0.7, 0.9, 40], STOP_RAW, 2.5, 0),
-    "nested struct as map": _frame(PREFILL_TASK, "r", [1], "", {"temperature": 0.7}, STOP_RAW, 2.5, 0),
-    "bool field given int": _frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, [16, 0], 2.5, 0),
-    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, None,
+    "str for int list": _frame(PREFILL_TASK, "r", "1 2 3", "", SAMPLING_RAW, STOP_RAW, 0),
+    "str inside int list": _frame(PREFILL_TASK, "r", [1, "2"], "", SAMPLING_RAW, STOP_RAW, 0),
+    "bool inside int list": _frame(PREFILL_TASK, "r", [1, True], "", SAMPLING_RAW, STOP_RAW, 0),
+    "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], "", [0.7, 0.9, 40], STOP_RAW, 0),
+    "nested struct as map": _frame(PREFILL_TASK, "r", [1], "", {"temperature": 0.7}, STOP_RAW, 0),
+    "bool field given int": _frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, [16, 0], 0),
+    "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, 0, None,
                            ["c", "w", "t", "float32", "layers=1"]),
-    "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0.0, 0.0, 0),
+    "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0),
     "invalid error code": _frame(int(m.MsgKind.FAILED), "r", "NOT_FOUND", "x"),
     "None for required field": _frame(HEARTBEAT, None, "e", 1, 0, 0, 0.0, []),
     "int inside str list": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, ["r", 7]),
-    "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5], 2.5),
-    "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]], 2.5),
+    "list entry not a struct": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None], 5], 2.5, []),
+    "list entry wrong count": _frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1]], 2.5, []),
     "str for bytes": _frame(int(m.MsgKind.POOL_AVAILABLE), "p",
                             ["shm", "name", [1, 1, 1, 1, 1, "float32", 256]]),
     "frame too large": b"\x00" * (wire.MAX_FRAME_BYTES + 1),
@@ -147,7 +147,7 @@ def _oversized_but_well_formed() -> dict[str, bytes]:
     return {
         "valid message over MAX_FRAME_BYTES":
             _frame(int(m.MsgKind.POOL_AVAILABLE), "p" * 200, ["shm", locator, layout]),
-        "prompt over MAX_ARRAY_LEN": _frame(PREFILL_TASK, "r", too_many_tokens, "", SAMPLING_RAW, STOP_RAW, 2.5, 0),
+        "prompt over MAX_ARRAY_LEN": _frame(PREFILL_TASK, "r", too_many_tokens, "", SAMPLING_RAW, STOP_RAW, 0),
         "worker id over MAX_STR_BYTES": _frame(HEARTBEAT, "w" * (wire.MAX_STR_BYTES + 1), 1, 0, 0),
     }
 
@@ -180,14 +180,14 @@ def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
     """The bad frames above differ from valid ones only in the flaw they name."""
     assert wire.decode(_frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, [])) == m.Heartbeat(
         "decode-0", "e", 1, 0, 0, 0.0, [])
-    assert wire.decode(_frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, STOP_RAW, 2.5, 0)) == m.PrefillTask(
-        "r", [1], "", m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False), 2.5)
-    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5)) == m.TokenBatch(
-        [m.TokenOut("r", 1, None)], 2.5)
+    assert wire.decode(_frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, STOP_RAW, 0)) == m.PrefillTask(
+        "r", [1], "", m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False))
+    assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5, [["r", 0.5]])) == m.TokenBatch(
+        [m.TokenOut("r", 1, None)], 2.5, [m.Joined("r", 0.5)])
 
 
 def test_a_prompt_of_max_array_len_tokens_decodes():
-    task = m.PrefillTask("long", list(range(wire.MAX_ARRAY_LEN)), "", SAMPLING, STOP, 0.0)
+    task = m.PrefillTask("long", list(range(wire.MAX_ARRAY_LEN)), "", SAMPLING, STOP)
     assert wire.decode(wire.encode(task)).prompt_token_ids == task.prompt_token_ids
 
 

@@ -16,9 +16,9 @@ from loadtest.lib.generate_client import StreamRecord
 from loadtest.lib.percentiles import quantile
 
 # StageTimings of the last chunk, by the proto's field names. The first token is the prefill's,
-# so these make up the TTFT...
+# so these sum to the server-side TTFT (the hops between the processes are in the prefill queue)...
 TTFT_STAGES = ("tokenize_s", "router_queue_s", "prefill_queue_s", "prefill_compute_s")
-# ...and these the time from the prefill's KV being complete to the second token.
+# ...and these to the time from the first token to the second at the router.
 SECOND_TOKEN_STAGES = ("kv_handoff_s", "decode_queue_s", "first_decode_step_s")
 SERVER_TTFT = "first_token_s"
 
@@ -89,16 +89,14 @@ def goodput(attainment_by_rate: dict[float, float], slo: Slo) -> float:
 def stage_breakdown(records: list[CallRecord]) -> dict | None:
     """Mean and p50 of each stage over the successful calls that carry timings; None when none do.
 
-    ttft_split: the server's stages of the first token, router_hops_s (the server-side TTFT less
-    those: messages between the processes) and client_transport_s (the client's TTFT less the
-    server's: gRPC both ways). second_token_split: the decode side, over calls with a second token,
-    beside the client's own first-to-second token gap.
+    ttft_split: the server's stages of the first token, which sum to its TTFT, and
+    client_transport_s (the client's TTFT less the server's: gRPC both ways). second_token_split:
+    the decode side, over calls with a second token, beside the client's own first-to-second token gap.
     """
     timed = [r for r in records if r.ok and r.timings and r.chunk_times_s]
     if not timed:
         return None
     ttft_parts = {stage: [r.timings[stage] for r in timed] for stage in (*TTFT_STAGES, SERVER_TTFT)}
-    ttft_parts["router_hops_s"] = [r.timings[SERVER_TTFT] - sum(r.timings[s] for s in TTFT_STAGES) for r in timed]
     ttft_parts["client_transport_s"] = [r.ttft_s - r.timings[SERVER_TTFT] for r in timed]
     ttft_parts["client_ttft_s"] = [r.ttft_s for r in timed]
     decoded = [r for r in timed if len(r.chunk_times_s) > 1]

@@ -26,6 +26,7 @@ from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape
 from shared.config import Config
 from shared.model import presets
+from shared.model.generation_config import sampling_defaults
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime.log import configure_logging
@@ -134,7 +135,8 @@ async def serve(config: Config) -> None:
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
     model = load_model(config, checkpoint)
-    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens)
+    limits = ModelLimits(hf_config.vocab_size, hf_config.max_position_embeddings, config.defaults.max_tokens,
+                         sampling=sampling_defaults(checkpoint))  # as the router serves it
     servicer = TransformersGeneration(model, load_tokenizer(checkpoint), limits, set(eos_token_ids(hf_config)))
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

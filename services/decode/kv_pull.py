@@ -162,7 +162,7 @@ class KvPuller:
         for transfer in self.in_flight:
             state = transfer.poll()
             if not state.finished and not transfer.stream_ordered and (
-                    time.time() - transfer.started_at > self.transfer_timeout_s):
+                    time.perf_counter() - transfer.started_at > self.transfer_timeout_s):
                 transfer.cancel(f"not done within {self.transfer_timeout_s:g} s ({state.name.lower()})")
             if transfer.state is TransferState.DONE:
                 self._landed.append(transfer)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.control.messages import SamplingParams, StopParams
+from shared.kv.transfer import Transfer
 
 
 @dataclass
@@ -18,6 +19,7 @@ class DecodingRequest:
     num_generated: int        # tokens produced so far, the prefill's first one included
     sampling: SamplingParams
     stop: StopParams
+    handoff: Transfer | None = None  # its pages' transfer, until its first step reports the wait for it
 
 
 @dataclass

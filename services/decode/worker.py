@@ -10,7 +10,8 @@ Lifecycle of a request here:
   boundary (on a GPU that step waits for the copy on the stream, not on the host); any other
   transfer keeps it aside until DONE, and one that fails frees its pages and sends Failed
   -> once the pages have landed, KvPulled is sent (the prefill may now free its pages), ahead of
-  the step's tokens -> each step emits one token per running request (TokenBatch) -> it leaves
+  the step's tokens -> each step emits one token per running request (TokenBatch; for a request's
+  first step, with how long its pages waited for it, dated on the device) -> it leaves
   the batch on EOS, max_tokens, the model's context, or an Abort from the router, and its pages
   are freed at once.
 """
@@ -32,6 +33,7 @@ from shared.control.messages import (
     DecodeTask,
     ErrorCode,
     Failed,
+    Joined,
     KvPulled,
     PoolAvailable,
     PoolGone,
@@ -41,7 +43,7 @@ from shared.control.messages import (
     TokenOut,
 )
 from shared.control.router_link import WorkerLoad
-from shared.kernels.device import on_stream, worker_stream
+from shared.kernels.device import Moment, date_moments, mark, on_stream, worker_stream
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.kv.transfer import TransferState
@@ -98,7 +100,7 @@ class DecodeWorker(WorkerLoop):
         self.last_busy = float("-inf")
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
-                          PoolGone: self._on_pool_gone}, stream)
+                          PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
@@ -182,7 +184,7 @@ class DecodeWorker(WorkerLoop):
             self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
             return
         request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, task.generated + 1,
-                                  task.sampling, task.stop)
+                                  task.sampling, task.stop, transfer)
         if transfer.stream_ordered or transfer.state is TransferState.DONE:
             self.waiting.append(request)
         else:
@@ -192,7 +194,7 @@ class DecodeWorker(WorkerLoop):
         """KvPulled for each transfer that has landed: only then may the prefill reuse its pages. A
         request kept aside for it may step now; one whose transfer failed is dropped."""
         for pulled in self.puller.landed():
-            self.link.send(KvPulled(pulled.request_id, pulled.prefill_worker_id, pulled.pull_s, pulled.landed_at))
+            self.link.send(KvPulled(pulled.request_id, pulled.prefill_worker_id, pulled.pull_s))
             log.debug("KV pulled", request_id=pulled.request_id, prefill=pulled.prefill_worker_id,
                       pull_ms=round(pulled.pull_s * 1e3, 3))
             if pulled.request_id in self.pulling:
@@ -212,13 +214,15 @@ class DecodeWorker(WorkerLoop):
                 self.allocator.free(request.pages)
 
     def _step(self) -> None:
-        started_at = time.time()
+        joining = [r for r in self.running if r.handoff is not None]
+        started = mark(self.model.device) if joining else None
         inputs = self.inputs.build(self.running)
         logits = self.graphs.step(inputs) if self.graphs is not None else None
         if logits is None:
             logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
         tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
         self._acknowledge_pulls()  # sample waited for the step, so for the copies before it: KvPulled goes first
+        joined = self._joined(joining, started) if joining else []
         out, still_running = [], []
         for request, token in zip(self.running, tokens):
             request.kv_len += 1
@@ -231,4 +235,17 @@ class DecodeWorker(WorkerLoop):
             else:
                 self.allocator.free(request.pages)
         self.running = still_running
-        self.link.send(TokenBatch(out, started_at))
+        self.link.send(TokenBatch(out, time.perf_counter() - started.at if joining else 0.0, joined))
+
+    def _joined(self, joining: list[DecodingRequest], started: Moment) -> list[Joined]:
+        """How long the pages of each request in its first step waited for the step, which began at
+        `started`: on a GPU the step's start is dated on the device, as the copies are, and from a
+        copy of its own stream by the device's clock alone (it may have been launched before the
+        copy ended, and it waited for the copy there). Called once the step and its copies have run."""
+        date_moments([started], self.model.device)
+        out = []
+        for request in joining:
+            handoff, request.handoff = request.handoff, None
+            if handoff.landed is not None:
+                out.append(Joined(request.request_id, handoff.landed.seconds_until(started)))
+        return out

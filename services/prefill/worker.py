@@ -170,7 +170,6 @@ class PrefillWorker(WorkerLoop):
 
     def _prefill(self, queued: Queued) -> None:
         task, prompt = queued.task, queued.task.prompt_token_ids
-        queued_s = max(0.0, time.time() - task.sent_at)  # includes waiting in the socket behind earlier prompts
         started = time.perf_counter()
         lease = self.cache.acquire(queued.keys, len(prompt))
         cached_tokens = lease.cached_pages * self.page_size
@@ -190,6 +189,6 @@ class PrefillWorker(WorkerLoop):
         finish_reason = self.finish(token, task.generated + 1, len(prompt) + 1, task.stop)
         compute_s = time.perf_counter() - started
         self.link.send(KvReady(task.request_id, self.worker_id, wire.pack_page_ids(lease.pages), len(prompt), token,
-                               finish_reason, queued_s, compute_s, time.time(), cached_tokens))
+                               finish_reason, compute_s, cached_tokens))
         log.debug("prefilled", request_id=task.request_id, prompt_tokens=len(prompt), cached_tokens=cached_tokens,
                   compute_ms=compute_s * 1e3)

@@ -177,7 +177,6 @@ class Generation:
                 yield Chunk(token_ids, "".join(pieces))
                 continue
             timer.succeeded(finish, generated)
-            inflight.clock.fill(inflight.timings)
             timings = inflight.timings
             usage = Usage(len(inflight.job.prompt_token_ids), generated, timings.cached_prompt_tokens,
                           timings.migrations)

@@ -5,7 +5,9 @@ Health is SERVING only while at least one prefill and one decode are registered.
 the gRPC way: health NOT_SERVING, both fronts stop taking calls and let in-flight streams finish
 for the grace period, then the token router stops and fails the rest explicitly. A stop signal
 starts it, and so does a background task that dies (shared/runtime/tasks.py): then serve()
-returns 1, so that the process exits non-zero and its supervisor restarts it.
+returns 1, so that the process exits non-zero and its supervisor restarts it. A router that cannot
+start, because another router holds its runtime folder or another process an address it binds, or
+its checkpoint cannot be served, exits EXIT_REFUSED with the reason: a restart would meet it again.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.validation import ModelLimits
 from shared.config import Config, RouterConfig
 from shared.model.fingerprint import checkpoint_fingerprint
+from shared.model.generation_config import sampling_defaults
 from shared.model.loader import config_dict, resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 from shared.runtime import metrics
+from shared.runtime.binding import bind_or_refuse
 from shared.runtime.process import SystemdNotify, raise_open_files_limit
+from shared.runtime.runtime_dir import claim_runtime_dir
 from shared.runtime.tasks import ServiceStop, spawn
 
 log = structlog.get_logger()
@@ -59,12 +64,15 @@ def _check_open_files(router: RouterConfig) -> None:
 
 
 async def serve(config: Config) -> int:
-    """Serves until a stop signal or a failed background task; returns the process's exit code."""
+    """Serves until a stop signal or a failed background task; returns the process's exit code.
+    Raises a FatalError when it cannot start (a taken runtime folder or address, a checkpoint it
+    cannot serve)."""
+    claim = claim_runtime_dir(config.router.runtime_dir)  # before anything binds: one router per folder
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     tokenizer = load_tokenizer(checkpoint)
     model_config = config_dict(checkpoint)
     limits = ModelLimits(model_config["vocab_size"], model_config["max_position_embeddings"], config.defaults.max_tokens,
-                         config.router.max_prompt_bytes, config.router.max_chat_messages)
+                         config.router.max_prompt_bytes, config.router.max_chat_messages, sampling_defaults(checkpoint))
     _check_open_files(config.router)
     # The config made the folder and checked its owner; ipc:// sockets inside: nobody else may even enter.
     os.chmod(config.router.runtime_dir, 0o700)
@@ -97,10 +105,9 @@ async def serve(config: Config) -> int:
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = tls_credentials(config.router)
-    if credentials is None:
-        server.add_insecure_port(config.router.grpc_address)
-    else:
-        server.add_secure_port(config.router.grpc_address, credentials)
+    address = config.router.grpc_address
+    bind_or_refuse("router.grpc_address", address, lambda: server.add_insecure_port(address) if credentials is None
+                   else server.add_secure_port(address, credentials))
     http = None
     if config.router.http_address:
         app = create_app(frontend, config.router.served_model_name or config.model.path,
@@ -109,7 +116,7 @@ async def serve(config: Config) -> int:
     await router.start()
     await server.start()
     if http is not None:
-        http.start(stop.fail)
+        bind_or_refuse("router.http_address", config.router.http_address, lambda: http.start(stop.fail))
     metrics.serve(config.router.metrics_address, metrics.ROUTER)
     log.info("router serving", grpc=config.router.grpc_address, http=config.router.http_address,
              zmq=config.router.zmq_endpoint())
@@ -133,5 +140,6 @@ async def serve(config: Config) -> int:
     # no front hands it a request after it stopped.
     await asyncio.gather(server.stop(config.router.grace_period_s), *([http.stop()] if http else []))
     await router.stop()
+    claim.close()
     log.info("router stopped", exit_code=stop.exit_code)
     return stop.exit_code

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shared.config import RouterConfig
 from shared.control.messages import SamplingParams, StopParams
+from shared.model.generation_config import SamplingDefaults
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 MAX_ECHOED_CHARS = 32  # of a client's bad value quoted back in an error, which must not echo megabytes
@@ -63,6 +64,7 @@ class ModelLimits:
     default_max_tokens: int
     max_prompt_bytes: int = RouterConfig.max_prompt_bytes  # router.max_prompt_bytes
     max_chat_messages: int = RouterConfig.max_chat_messages  # router.max_chat_messages
+    sampling: SamplingDefaults = SamplingDefaults()  # the model's generation_config.json's, for unset fields
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,10 @@ def quoted(value: object) -> str:
 
 
 def _sampling(request: GenerateInput, limits: ModelLimits) -> SamplingParams:
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
-    top_k = 0 if request.top_k is None else request.top_k
+    defaults = limits.sampling
+    temperature = defaults.temperature if request.temperature is None else request.temperature
+    top_p = defaults.top_p if request.top_p is None else request.top_p
+    top_k = defaults.top_k if request.top_k is None else request.top_k
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not (0 < top_p <= 1):  # also refuses NaN

@@ -3,9 +3,11 @@ router and N prefill and M decode workers (stack.* in the config; one of each by
 process of its own under one supervisor.
 
 Every service gets this command's arguments (--config, --model-path, ...), and each worker its
-own id, metrics port, cores and GPU on top (services/stack/topology.py). One that dies is
-restarted with a backoff, and one that crash-loops or is refused by the router stops the stack
-with exit code 1; Ctrl-C or SIGTERM stops them all (Supervisor.stop) and exits 0. Each service
+own id, metrics port, cores and GPU on top (services/stack/topology.py). A runtime folder or an
+address already taken (another stack on this host) stops it before anything starts, exit code 2,
+naming each (services/stack/preflight.py). One that dies is restarted with a backoff, and one that
+crash-loops or is refused stops the stack with exit code 1; Ctrl-C or SIGTERM stops them all
+(Supervisor.stop) and exits 0. Each service
 dies with its parent (shared.runtime.process.die_with_parent), so none is orphaned even if this one is
 killed.
 
@@ -21,6 +23,7 @@ import sys
 
 import structlog
 
+from services.stack.preflight import obstacles
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import plan_workers
 from shared.config import Config, ConfigError, flag_name
@@ -47,6 +50,11 @@ def main() -> int:
         workers = plan_workers(config)
     except ConfigError as exc:
         print(f"python -m services.stack: error: {exc}", file=sys.stderr)
+        return 2
+    taken = obstacles(config, workers)
+    if taken:
+        print("python -m services.stack: error: taken, by another stack on this host?\n  " + "\n  ".join(taken),
+              file=sys.stderr)
         return 2
     supervisor = Supervisor()
     for sig in (signal.SIGINT, signal.SIGTERM):

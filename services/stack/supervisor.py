@@ -11,8 +11,9 @@ the first once the service had run stably. Unlike on-failure, exit 0 counts as a
 supervised service stops only when the supervisor tells it to, so one that exits 0 unasked (the
 services exit 0 on someone's `kill <pid>`) leaves the stack without that service all the same.
 The supervisor gives up, stopping everything with a message that names the service, when one
-crash-loops (crash_limit exits within crash_window_s) or exits with EXIT_REFUSED: the router
-refused it (another protocol version, say) and would refuse it again.
+crash-loops (crash_limit exits within crash_window_s) or exits with EXIT_REFUSED: it was refused,
+by the router (another protocol version, its worker id held by a live worker) or at its own start
+(a port or the runtime folder taken, a checkpoint it cannot serve), and would be again.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class Supervisor:
                 if code is None:
                     continue
                 if code == EXIT_REFUSED:
-                    return f"{name} exited with code {code} (refused by the router): not restarted; stopped the others"
+                    return (f"{name} exited with code {code} (refused: by the router, or at its start; its log says "
+                            "why): not restarted; stopped the others")
                 delay = backoffs[name].exited(now, ran_s=now - self._started_at[name])
                 if delay is None:
                     policy = backoffs[name].policy

@@ -20,6 +20,10 @@ request_id is only a label (logs and responses). A worker registers with a hands
 Registered or Refused); the router's epoch in Registered tells it the router it serves, and a
 worker that registers again (the router restarted, or dropped it) first drops every request it held.
 
+No clock reading crosses a process: a worker reports durations on its own clock, and the router
+subtracts only its own stamps (services/router/control/request.py, StageTimings), so the timings
+hold across hosts whose clocks disagree.
+
 KV bytes never travel here: the prefill exports its pool once (one KvPoolHandle per way of
 reaching it), the router passes the handles to every decode (PoolAvailable), and per request only
 page ids move.
@@ -52,7 +56,8 @@ class ErrorCode(StrEnum):
 # Bumped on any change to the messages below: the router refuses a worker of another version.
 PROTOCOL_VERSION = 4
 
-# Exit status of a worker the router refused (EX_CONFIG): restarting it would be refused again,
+# Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
+# the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
 # so neither the supervisor nor systemd (RestartPreventExitStatus=) restarts it.
 EXIT_REFUSED = 78
 
@@ -139,6 +144,9 @@ class Register:
     pid: int                   # for operators' logs only
     total_pages: int
     page_size: int
+    # A decode's decode.max_batch_size: the router places no more requests on it at once, so that
+    # none waits for a batch slot with the handoff's timeout running; 0 for a prefill.
+    max_batch_size: int
     # A prefill's pool, by each kind of transfer it offers, best first (shared/kv/transfer/choice.py);
     # empty for a decode.
     pool_handles: list[KvPoolHandle]
@@ -236,7 +244,6 @@ class PrefillTask:
     cache_salt: str
     sampling: SamplingParams
     stop: StopParams
-    sent_at: float  # wall clock (time.time) when the router sent it: the prefill queue starts here
     # Output tokens the request already streamed, the tail of prompt_token_ids: non-zero for a
     # request moved off a failed decode (request migration). The token sampled here is output
     # number generated + 1, seeded and counted against max_tokens as such.
@@ -251,9 +258,7 @@ class KvReady:
     num_tokens: int              # tokens whose KV sits in the pages (the prompt)
     first_token_id: int          # sampled by the prefill, so TTFT does not wait for the decode
     finish_reason: FinishReason | None  # set when the first token already ends the request
-    queued_s: float              # from the router sending the task to its prefill starting
-    compute_s: float             # prompt forward pass and sampling
-    ready_at: float              # wall clock (time.time) when the KV was complete: starts the handoff
+    compute_s: float             # prompt forward pass and sampling, on the prefill's clock
     cached_tokens: int           # prompt tokens whose KV came from the prefix cache, not computed
 
 
@@ -274,9 +279,6 @@ class KvPulled:
     request_id: str
     prefill_worker_id: str
     pull_s: float  # from the decode starting the copy to the pages in its pool
-    # Wall clock (time.time) when the pages were in the decode's pool: ends the handoff. On a GPU
-    # it may come after the request's first step began: that step waits for the copy on the device.
-    pulled_at: float
 
 
 @dataclass(frozen=True)
@@ -292,12 +294,24 @@ class TokenOut:
 
 
 @dataclass(frozen=True)
+class Joined:
+    """A request whose first decode step a TokenBatch reports."""
+    request_id: str
+    # Its pages in the decode's pool -> this step began: on a GPU both dated on the device, so a
+    # step launched before the copy ended (it waits for the copy there) does not count as a queue.
+    queued_s: float
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """One decode step's new tokens, one entry per running request."""
     tokens: list[TokenOut] = field(default_factory=list)
-    # Wall clock (time.time) when the step began: for a request's first step, the end of its
-    # handoff (prefill done -> router -> KV pulled -> decode's first step).
-    step_started_at: float = 0.0
+    # For the requests this step was the first of (and only then, else 0 and empty): the step's
+    # start (on the device) -> this batch sent, and each one's wait for the step, on the decode's
+    # clock. The router takes them out of its own clock's time between a request's first and
+    # second tokens; what remains is the handoff (services/router/control/request.py).
+    step_s: float = 0.0
+    joined: list[Joined] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

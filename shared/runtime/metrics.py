@@ -51,7 +51,7 @@ REQUEST_QUEUE_TIME = Histogram(
     "pdserve:request_queue_time_seconds", "The router's wait for KV room plus the prefill's queue.",
     buckets=REQUEST_BUCKETS, registry=None)
 KV_HANDOFF = Histogram(
-    "pdserve:kv_handoff_seconds", "From the prefill's KV being complete to the decode's first step.",
+    "pdserve:kv_handoff_seconds", "From the first token at the router to the decode's first step for it.",
     buckets=TOKEN_BUCKETS, registry=None)
 KV_PULL = Histogram(
     "pdserve:kv_pull_seconds", "The decode's copy of a request's pages from the prefill's pool.",

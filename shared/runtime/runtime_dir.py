@@ -5,17 +5,53 @@ of CUDA IPC handles where a decode reads its weights. systemd's RuntimeDirectory
 but the fallback /tmp/pdserve-<uid> sits in a folder every user can write: another user may have
 made it first, or left it open. So every service checks the folder at start, and files are
 created in it without following a symlink planted in their place.
+
+One router holds the folder at a time (claim_runtime_dir): a second one, of a second stack started
+on the same folder, would bind over the first's socket (ZeroMQ replaces a socket file it binds
+over) and draw the first's workers to it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
+
+from shared.control.dispatch import FatalError
+from shared.control.messages import EXIT_REFUSED
+
+CLAIM_FILE = "router.lock"
 
 
 class UnsafePath(ValueError):
     pass
+
+
+class FolderInUse(FatalError):
+    """A restart would find the folder held again: exits EXIT_REFUSED, which nothing restarts."""
+    exit_code = EXIT_REFUSED
+
+
+def claim_runtime_dir(path: str) -> BinaryIO:
+    """Holds the folder for this router until the returned file is closed or the process ends,
+    however it ends (an flock, which the kernel drops with the process); the file names the
+    holder's pid. FolderInUse while another process holds it."""
+    claim = Path(path) / CLAIM_FILE
+    file = os.fdopen(os.open(claim, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+b")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = file.read().decode(errors="replace").strip() or "unknown"
+        file.close()
+        raise FolderInUse(f"runtime folder {path} is held by another router (pid {holder}), of another stack "
+                          "on this host: stop that stack, or give this one a folder of its own "
+                          "(router.runtime_dir)") from None
+    file.truncate(0)
+    file.write(str(os.getpid()).encode())
+    file.flush()
+    return file
 
 
 def prepare_runtime_dir(path: str) -> None:

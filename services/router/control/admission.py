@@ -1,5 +1,9 @@
 """Admission: requests wait here, FIFO, until one prefill and one decode have room, then are placed.
 
+Room is KV pages on both, and on the decode a batch slot too: a decode registers its
+decode.max_batch_size, and a request placed beyond it would wait there for a slot with the
+handoff's timeout running (routing.py's candidates).
+
 Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages on the decode
 as the prefill starts, so a finished prefill never waits for decode room. Reservations live
 on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:

@@ -3,8 +3,12 @@
 The router is one incarnation among many: its epoch, sent in Registered, comes back in every
 heartbeat, and a worker that hears Reregister drops all it held before registering again. A
 worker's CURVE key decides which worker ids and roles it may register as (registration.py). A
-worker is dropped when it deregisters, registers again, goes silent past router.heartbeat_timeout_s,
-reports its main loop stuck past router.progress_timeout_s, or a send finds its connection gone.
+worker id belongs to one live process: another process registering under it (a second stack on
+the same runtime folder, a worker started twice by hand) is refused while the holder still beats
+and its connection is there, and never evicts it; a restarted worker, whose old process is gone
+with its connection, takes its id back at once. A worker is dropped when it deregisters, registers
+again, goes silent past router.heartbeat_timeout_s, reports its main loop stuck past
+router.progress_timeout_s, or a send finds its connection gone.
 Heartbeats list what each worker holds, and the router aborts what it no longer knows. Every
 decode hears of every prefill's pool (PoolAvailable), but of a NIXL handle only once it has shown
 that it runs on another host (first_offer).
@@ -22,6 +26,7 @@ so this module never imports them:
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -146,7 +151,7 @@ class Membership:
     # ---- handlers: each takes the sending Peer and the message ----
 
     def _on_register(self, peer: Peer, message: Register) -> None:
-        reason = self.registration.refusal(message, peer.user_id, self.registry)
+        reason = self.registration.refusal(message, peer.user_id, self.registry) or self._held_by_another(message, peer)
         if reason:
             log.error("refused worker", worker=message.worker_id, role=message.role, reason=reason)
             self.socket.reply(peer.identity, Refused(reason))
@@ -169,6 +174,20 @@ class Membership:
         log.info("worker registered", worker=worker.worker_id, role=worker.role, pid=worker.pid,
                  incarnation=worker.incarnation, pages=worker.total_pages)
         self._on_workers_changed(self.serving())
+
+    def _held_by_another(self, message: Register, peer: Peer) -> str:
+        """Why the id is not this process's to take: another incarnation holds it that was heard from
+        within router.heartbeat_timeout_s and whose connection is still there (Registered, which a
+        registered worker ignores, does not bounce). "" if the id is free or its holder is gone."""
+        holder = self.registry.workers.get(message.worker_id)
+        if holder is None or holder.incarnation == message.incarnation or holder.identity == peer.identity:
+            return ""
+        silent_s = time.monotonic() - holder.last_seen
+        if silent_s > self.settings.heartbeat_timeout_s or not self.socket.reaches(holder, Registered(self.epoch)):
+            return ""
+        return (f"worker id {message.worker_id!r} is held by a live worker (pid {holder.pid}, heard from "
+                f"{silent_s:.1f} s ago), maybe of another stack on this runtime folder: give this one another id, "
+                "or another router")
 
     def _on_draining(self, peer: Peer, message: Draining) -> None:
         worker = peer.worker

@@ -29,6 +29,8 @@ class RegistrationPolicy:
             return f"KV page size {message.page_size}, but this router's kv.page_size is {self.page_size}"
         if (message.role == Role.PREFILL) != bool(message.pool_handles):
             return "only a prefill exports a KV pool, and every prefill does"
+        if message.role == Role.DECODE and message.max_batch_size < 1:
+            return f"max_batch_size {message.max_batch_size}: a decode must run at least one request"
         if self.security is not None and not self.security.permits(user_id, message.worker_id, message.role):
             return f"its key does not permit worker id {message.worker_id!r} as a {message.role}"
         return self._mismatch(message, registry)

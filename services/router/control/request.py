@@ -87,7 +87,15 @@ class ErrorEvent:
 @dataclass
 class StageTimings:
     """Where a request's time went, in seconds, with the field names of the API's StageTimings
-    (proto/pdserve/v1/generation.proto says what each covers)."""
+    (proto/pdserve/v1/generation.proto says what each covers).
+
+    Only readings of one clock are ever subtracted: the router's own (time.perf_counter) for the
+    time up to each token's arrival, and the workers' durations, each measured on its own clock
+    (the prefill's compute; the decode's wait and first step, on a GPU dated on the device). A
+    stage that spans processes is what the router's clock leaves once those are taken out, hops
+    included. So no stage is negative, the stages hold across hosts whose clocks disagree, and
+    they sum: the first four to first_token_s, which with the last three makes the time to the
+    second token (the decode's first) at the router."""
     tokenize_s: float = 0.0
     router_queue_s: float = 0.0
     prefill_queue_s: float = 0.0
@@ -99,23 +107,24 @@ class StageTimings:
     cached_prompt_tokens: int = 0  # not a time: the prompt tokens the prefill took from its cache
     migrations: int = 0  # not a time: how many times the request moved to another decode (migration.py)
 
+    def first_token(self, since_submitted_s: float, compute_s: float) -> None:
+        """The prefill's first token is at the router, since_submitted_s after the front handed the
+        request over; compute_s is the prefill's own measure. Its queue keeps both hops. A duration
+        of another host's clock may run a few parts per million long: hence the floor at 0."""
+        self.first_token_s = self.tokenize_s + since_submitted_s
+        self.prefill_compute_s = compute_s
+        self.prefill_queue_s = max(0.0, since_submitted_s - self.router_queue_s - compute_s)
+
+    def second_token(self, since_submitted_s: float, queued_s: float, step_s: float) -> None:
+        """The decode's first step's token is at the router; queued_s and step_s are the decode's
+        own measures (its pages waiting for the step, the step until its tokens went out). The
+        handoff keeps the DecodeTask's way to the decode, the pull, and the tokens' way back."""
+        self.decode_queue_s, self.first_decode_step_s = queued_s, step_s
+        between = self.tokenize_s + since_submitted_s - self.first_token_s
+        self.kv_handoff_s = max(0.0, between - queued_s - step_s)
+
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class HandoffClock:
-    """Wall clocks (time.time) of the handoff, each stamped by the process where it happened."""
-    kv_ready_at: float = 0.0            # the prefill's KV complete
-    pulled_at: float = 0.0              # the pages in the decode's pool
-    first_step_started_at: float = 0.0  # the decode's first step for this request began
-    first_step_received_at: float = 0.0  # that step's tokens reached the router
-
-    def fill(self, timings: StageTimings) -> None:
-        if self.pulled_at and self.first_step_started_at:
-            timings.kv_handoff_s = self.pulled_at - self.kv_ready_at
-            timings.decode_queue_s = self.first_step_started_at - self.pulled_at
-            timings.first_decode_step_s = self.first_step_received_at - self.first_step_started_at
 
 
 def new_request_id() -> str:
@@ -132,7 +141,6 @@ class InflightRequest:
     prefill: WorkerRecord | None = None  # once placed
     decode: WorkerRecord | None = None
     timings: StageTimings = field(default_factory=StageTimings)
-    clock: HandoffClock = field(default_factory=HandoffClock)
     submitted_at: float = field(default_factory=time.perf_counter)  # tokenized, handed to the router
     deadline: float = float("inf")  # time.monotonic() by which the current stage must move on
     # Workers it must not be placed on again: a prefill it failed on before a token, a decode it

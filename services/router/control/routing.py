@@ -9,9 +9,10 @@
 
 When the prefills' queues differ by more than routing.balance_tokens, the cache is left out of
 the prefill cost and the least loaded takes the prompt, so a hot prefix cannot pile every request
-onto one prefill. Workers that are draining, that lack room for the request, or that the request
-already failed on are not candidates, nor is a pair whose decode cannot pull from the prefill's pool
-(PoolUnreachable). Ties go to the worker with the most unpromised room.
+onto one prefill. Workers that are draining, that lack room for the request (pages, and on a
+decode a batch slot: decode.max_batch_size), or that the request already failed on are not
+candidates, nor is a pair whose decode cannot pull from the prefill's pool (PoolUnreachable).
+Ties go to the worker with the most unpromised room.
 """
 
 from __future__ import annotations
@@ -68,4 +69,5 @@ class RoutingPolicy:
 
     @staticmethod
     def _candidates(workers: list[WorkerRecord], request: InflightRequest, pages: int) -> list[WorkerRecord]:
-        return [w for w in workers if not w.draining and w.room >= pages and w.worker_id not in request.failed_on]
+        return [w for w in workers if not w.draining and w.room >= pages and w.has_slot
+                and w.worker_id not in request.failed_on]

@@ -6,7 +6,7 @@
     KvPulled:   ReleaseKv to the prefill (only now may it free the prompt's pages)
     TokenBatch: tokens go to the front; the last one gives the decode's reservation back
     finish():   the front is done (the end, or client gone, stop string): Abort to a worker
-                that still holds the request
+                that still holds the request, ReleaseKv to a prefill whose KV was not pulled yet
 
 Nothing is trusted blindly: each message about a request must come from the worker the router
 gave it to. Who may join and when a worker is dropped is membership's job (membership.py); frames
@@ -133,7 +133,6 @@ class TokenRouter:
         if early:
             self._abort_on_workers(request)
             self._end(request)
-        request.clock.fill(request.timings)
         log.info("request finished", request_id=request.request_id, label=request.label, aborted=early,
                  prefill=request.prefill.worker_id if request.prefill else None,
                  decode=request.decode.worker_id if request.decode else None,
@@ -150,17 +149,20 @@ class TokenRouter:
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
         self.socket.send(request.prefill, PrefillTask(request.request_id, request.prefix_token_ids(), job.cache_salt,
-                                                      job.sampling, job.stop, time.time(), len(request.output_token_ids)))
+                                                      job.sampling, job.stop, len(request.output_token_ids)))
         self.requests[request.request_id] = request
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
         """The request is over inside pdserve: its reservations go back at once, whether or not the
-        front has taken its last events (a client that stops reading holds no KV room)."""
+        front has taken its last events (a client that stops reading holds no KV room). So do the
+        prefill's pages of a handoff not pulled yet (a cancel mid-pull): a read still under way
+        only fills pages that the decode, told Abort, frees once that read settles."""
         if request.stage == Stage.ADMITTING:  # a moved request, first in line
             self.admission.withdraw(request)
         request.stage = Stage.DONE
         for worker in (request.prefill, request.decode):
             Admission.release(worker, request)
+        self._release_handoff(request.request_id)
         if event is not None:
             request.emit(event)
         self.admission.admit_waiting()
@@ -294,8 +296,6 @@ class TokenRouter:
         generated = len(request.output_token_ids)  # before this token: non-zero once the request moved
         if not generated:
             self._first_token_timings(request, message)
-        if not request.clock.first_step_started_at:  # the handoff that leads to the first decode step
-            request.clock.kv_ready_at = message.ready_at
         if message.finish_reason is not None:
             self.socket.send(prefill, ReleaseKv(request.request_id))
             self._end(request, TokenEvent(message.first_token_id, message.finish_reason))
@@ -313,10 +313,9 @@ class TokenRouter:
     @staticmethod
     def _first_token_timings(request: InflightRequest, message: KvReady) -> None:
         timings = request.timings
-        timings.prefill_queue_s, timings.prefill_compute_s = message.queued_s, message.compute_s
+        timings.first_token(time.perf_counter() - request.submitted_at, message.compute_s)
         timings.cached_prompt_tokens = message.cached_tokens
-        timings.first_token_s = timings.tokenize_s + time.perf_counter() - request.submitted_at
-        metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + message.queued_s)
+        metrics.observe(metrics.REQUEST_QUEUE_TIME, timings.router_queue_s + timings.prefill_queue_s)
 
     def _on_kv_pulled(self, peer: Peer, message: KvPulled) -> None:
         handoff = self.handoffs.get(message.request_id)
@@ -325,8 +324,6 @@ class TokenRouter:
         self._release_handoff(message.request_id)
         request = self.requests.get(message.request_id)
         if request is not None and request.decode is peer.worker:
-            if not request.clock.first_step_started_at:
-                request.clock.pulled_at = message.pulled_at
             metrics.observe(metrics.KV_PULL, message.pull_s)
             if Admission.release(request.prefill, request):
                 self.admission.admit_waiting()
@@ -342,6 +339,7 @@ class TokenRouter:
         decode = peer.worker
         if decode is None or decode.role != Role.DECODE:
             return
+        joined = {j.request_id: j.queued_s for j in message.joined}  # requests in their first step
         for token in message.tokens:
             request = self.requests.get(token.request_id)
             if request is None or request.decode is not decode or request.stage != Stage.DECODE:
@@ -349,19 +347,25 @@ class TokenRouter:
                     self.socket.send(decode, Abort(token.request_id))  # decoding what nobody waits for
                 continue
             with self._alone(request):
-                self._on_token(request, token, message.step_started_at)
+                self._on_token(request, token, joined.get(token.request_id), message.step_s)
 
-    def _on_token(self, request: InflightRequest, token: TokenOut, step_started_at: float) -> None:
-        clock = request.clock
-        if not clock.first_step_started_at:  # its first decode step
-            clock.first_step_started_at, clock.first_step_received_at = step_started_at, time.time()
-            metrics.observe(metrics.KV_HANDOFF, step_started_at - clock.kv_ready_at)
+    def _on_token(self, request: InflightRequest, token: TokenOut, queued_s: float | None, step_s: float) -> None:
+        """queued_s: set in the request's first step on its decode, which dates the stages up to its
+        second token (after a migration that token came from an earlier decode: nothing to date)."""
+        if queued_s is not None and len(request.output_token_ids) == 1:
+            self._second_token(request, queued_s, step_s)
         event = TokenEvent(token.token_id, token.finish_reason)
         if token.finish_reason is not None:
             self._end(request, event)
         else:
             request.deadline = time.monotonic() + self.settings.decode_token_timeout_s
             request.emit(event)
+
+    @staticmethod
+    def _second_token(request: InflightRequest, queued_s: float, step_s: float) -> None:
+        timings = request.timings
+        timings.second_token(time.perf_counter() - request.submitted_at, queued_s, step_s)
+        metrics.observe(metrics.KV_HANDOFF, timings.kv_handoff_s + timings.decode_queue_s)
 
     def _on_failed(self, peer: Peer, message: Failed) -> None:
         sender = peer.worker

@@ -18,6 +18,7 @@ class WorkerRecord:
     incarnation: str          # random per process start
     pid: int
     total_pages: int
+    max_batch_size: int       # a decode's: the most requests it runs at once (0 for a prefill)
     pool_handles: list[KvPoolHandle]  # a prefill's, as it registered them
     fingerprint: ModelFingerprint
     last_seen: float = field(default_factory=time.monotonic)
@@ -47,6 +48,13 @@ class WorkerRecord:
         return self.total_pages - self.reserved_pages
 
     @property
+    def has_slot(self) -> bool:
+        """Whether one more request may be placed here: a decode steps at most max_batch_size at once,
+        and one placed beyond them would wait in its queue with the handoff's timeout running. A
+        prefill queues its prompts, bounded by its pages alone."""
+        return self.role != Role.DECODE or len(self.reservations) < self.max_batch_size
+
+    @property
     def pending_prompt_tokens(self) -> int:
         return sum(self.pending_tokens.values())
 
@@ -65,7 +73,7 @@ class WorkerRegistry:
         if old is not None and old.incarnation == message.incarnation and old.identity == identity:
             return old, old
         worker = WorkerRecord(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
-                              message.total_pages, message.pool_handles, message.fingerprint,
+                              message.total_pages, message.max_batch_size, message.pool_handles, message.fingerprint,
                               free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh

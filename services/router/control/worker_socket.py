@@ -23,6 +23,7 @@ from shared.config import RouterConfig
 from shared.control import wire
 from shared.control.curve import CurveServer, secure_server
 from shared.control.messages import PROTOCOL_VERSION, Refused
+from shared.runtime.binding import bind_or_refuse
 from shared.runtime.tasks import LoopGuard
 
 log = structlog.get_logger()
@@ -51,7 +52,8 @@ class WorkerSocket:
         """Binds the endpoint, a CURVE server first where it needs one; returns that server.
         On the event loop: the CURVE authenticator runs on it."""
         self.security = secure_server(self._socket, self.settings)
-        self._socket.bind(self.settings.zmq_endpoint())
+        endpoint = self.settings.zmq_endpoint()
+        bind_or_refuse("router.zmq_address", endpoint, lambda: self._socket.bind(endpoint))
         return self.security
 
     def close(self) -> None:
@@ -68,6 +70,15 @@ class WorkerSocket:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is gone (ROUTER_MANDATORY)
             log.warning("worker unreachable", worker=worker.worker_id, kind=type(message).__name__, error=str(exc))
             self.unreachable.add(worker)
+
+    def reaches(self, worker: WorkerRecord, probe: object) -> bool:
+        """Whether the worker's connection is still there: a send of `probe`, a message the worker
+        ignores, does not bounce (ROUTER_MANDATORY). Unlike send(), a bounce marks nothing."""
+        try:
+            self._sender.send_multipart([worker.identity, wire.encode(probe)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def reply(self, identity: bytes, message: object) -> None:
         """To a connection that is no registered worker; if it is gone, nothing is lost."""

@@ -44,6 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from shared.control.messages import KvPoolHandle
+from shared.kernels.device import Moment
 from shared.kv.pool import PagedKvPool
 
 
@@ -71,15 +72,15 @@ class Transfer(abc.ABC):
     def __init__(self, request_id: str, prefill_worker_id: str):
         self.request_id = request_id
         self.prefill_worker_id = prefill_worker_id  # whom KvPulled or Failed concerns
-        self.started_at = time.time()
+        self.started_at = time.perf_counter()
         self.state = TransferState.PREPARING
         self.error = ""                  # why it FAILED
-        self.landed_at: float | None = None  # wall clock when DONE: the pages were in the pool
+        self.landed: Moment | None = None  # when DONE: the pages were in the pool
 
     @property
     def pull_s(self) -> float:
         """From the start of the transfer to the pages in the pool (DONE only)."""
-        return self.landed_at - self.started_at
+        return self.landed.at - self.started_at
 
     @abc.abstractmethod
     def poll(self) -> TransferState:
@@ -100,9 +101,10 @@ class Transfer(abc.ABC):
             raise RuntimeError(f"transfer of {self.request_id}: {self.state.name} cannot become {state.name}")
         self.state = state
 
-    def land(self, landed_at: float) -> None:
+    def land(self, landed: Moment | None = None) -> None:
+        """None: the pages are in the pool now, by the host's clock."""
         self.advance(TransferState.DONE)
-        self.landed_at = landed_at
+        self.landed = landed or Moment(time.perf_counter())
 
     def fail(self, reason: str) -> None:
         self.advance(TransferState.FAILED)

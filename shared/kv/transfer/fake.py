@@ -9,7 +9,6 @@ crosses a process: the tests drive a decode's KvPuller and both pools in one.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +65,7 @@ class FakeTransfer(Transfer):
             self.advance(TransferState.TRANSFERRING)
         else:
             self.source.local.copy_pages_from(self.source.pool, self.src, self.dst)
-            self.land(time.time())
+            self.land()
         return self.state
 
     def cancel(self, reason: str) -> None:

@@ -14,13 +14,13 @@ device has finished it. On the CPU the copy is done when start() returns.
 from __future__ import annotations
 
 import abc
-import time
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from shared.control.messages import KvPoolHandle
+from shared.kernels.device import Moment, date_moments
 from shared.kv.pool import PagedKvPool
 from shared.kv.transfer.base import Backend, Source, Transfer, TransferError, TransferState
 from shared.kv.transfer.staging import PageIdStaging
@@ -74,16 +74,13 @@ class StreamCopies:
 
     def _date(self, copies: list[LocalCopy]) -> None:
         """When each finished copy landed. The host sees a copy's end only when it asks, maybe a
-        whole step later, so it asks the device: a timed probe runs after the copies; the clock is
-        read once the probe has run, and each copy's device time before the probe is subtracted.
-        That is never earlier than the copy's true end, and later only by the probe's wake-up."""
-        probe = torch.cuda.Event(enable_timing=True)
-        probe.record(torch.cuda.current_stream(self.device))
-        probe.synchronize()
-        now = time.time()
-        for copy in copies:
+        whole step later, so the device dates it (date_moments), and the copy's event stays with
+        its landing: a later moment of the same stream subtracts from it on the device's clock."""
+        landings = [Moment(event=copy.done) for copy in copies]
+        date_moments(landings, self.device)
+        for copy, landing in zip(copies, landings):
             if copy.state is TransferState.TRANSFERRING:
-                copy.land(now - copy.done.elapsed_time(probe) / 1e3)
+                copy.land(landing)
 
 
 class LocalCopyBackend(Backend):
@@ -125,7 +122,7 @@ class MappedSource(Source):
         backend.local.copy_pages_from(self.mapped.pool, src, dst)
         copy.advance(TransferState.TRANSFERRING)
         if backend.copies is None:
-            copy.land(time.time())
+            copy.land()
         else:  # the ids are in host memory either way
             backend.copies.launched(copy)
             backend.staging.read_by(copy.done)

@@ -20,7 +20,6 @@ came); it is removed then, so a restarted prefill's new agent never meets a stal
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import msgpack
@@ -185,7 +184,7 @@ class NixlRead(Transfer):
             if self.state is TransferState.PREPARING:
                 self.advance(TransferState.TRANSFERRING)
         elif status == "DONE":
-            self.land(time.time())
+            self.land()
             self.settled()
         else:
             self.fail(f"NIXL read failed: {status}")
