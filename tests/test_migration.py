@@ -43,7 +43,6 @@ from tests.protocol_peer import ProtocolPeer
 from tests.stack import ServiceStack
 from tests.test_control_plane import _fingerprint
 from tests.test_faults import FAST_HEARTBEATS
-from tests.test_routing import _router_metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -88,7 +87,7 @@ def _prefilled(prefill: ProtocolPeer, token: int) -> PrefillTask:
     """The prefill's next task, answered with KvReady and that token."""
     task = prefill.receive(PrefillTask)
     prefill.send(KvReady(task.request_id, prefill.worker_id, wire.pack_page_ids([0]), len(task.prompt_token_ids),
-                         token, None, 0.0, 0.0, time.time(), 0))
+                         token, None, 0.0, 0))
     return task
 
 
@@ -102,7 +101,7 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
 def _tokens(decode: ProtocolPeer, request_id: str, tokens: list[int], last: bool = False) -> None:
     for i, token in enumerate(tokens):
         finish = FinishReason.LENGTH if last and i == len(tokens) - 1 else None
-        decode.send(TokenBatch([TokenOut(request_id, token, finish)], time.time()))
+        decode.send(TokenBatch([TokenOut(request_id, token, finish)]))
 
 
 def test_a_stream_whose_decode_dies_goes_on_from_its_prefix_on_the_other(checkpoint, tmp_path):
@@ -114,7 +113,7 @@ def test_a_stream_whose_decode_dies_goes_on_from_its_prefix_on_the_other(checkpo
         first = _prefilled(peers["prefill-0"], 42)
         handoff = peers["decode-0"].receive(DecodeTask)
         assert (handoff.request_id, handoff.generated) == (first.request_id, 0)
-        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-0"], first.request_id, [43, 44])
         peers["decode-0"].send(Deregister("decode-0"))  # dropped as a dead decode is, at once
 
@@ -129,7 +128,7 @@ def test_a_stream_whose_decode_dies_goes_on_from_its_prefix_on_the_other(checkpo
         handoff = peers["decode-1"].receive(DecodeTask)
         assert (handoff.request_id, handoff.first_token_id, handoff.generated) == (moved.request_id, 45, 3)
         assert handoff.num_tokens == len(first.prompt_token_ids) + 3
-        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-1", 0.0, time.time()))
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-1", 0.0))
         _tokens(peers["decode-1"], moved.request_id, [46, 47], last=True)
         chunks = call.result(timeout=30)
     assert [t for c in chunks for t in c.token_ids] == [42, 43, 44, 45, 46, 47]
@@ -171,7 +170,7 @@ def test_a_decode_that_stops_streaming_is_left_once_its_token_is_late(checkpoint
         call = calls.submit(_stream, stack, 4)
         first = _prefilled(peers["prefill-0"], 42)
         peers["decode-0"].receive(DecodeTask)
-        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-0"], first.request_id, [43])
         assert peers["decode-0"].receive(Abort, timeout_s=30).request_id == first.request_id
 
@@ -180,7 +179,7 @@ def test_a_decode_that_stops_streaming_is_left_once_its_token_is_late(checkpoint
         assert peers["decode-1"].receive(DecodeTask).request_id == moved.request_id
         _tokens(peers["decode-0"], first.request_id, [666])
         assert peers["decode-0"].receive(Abort).request_id == first.request_id
-        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-1"], moved.request_id, [45], last=True)
         chunks = call.result(timeout=30)
     assert [t for c in chunks for t in c.token_ids] == [42, 43, 44, 45]
@@ -194,13 +193,13 @@ def test_a_moved_request_waits_first_in_line_until_the_other_decode_has_room(che
         call = calls.submit(_stream, stack, 4)
         first = _prefilled(peers["prefill-0"], 42)
         peers["decode-0"].receive(DecodeTask)
-        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-0"], first.request_id, [43])
         # 16 prompt tokens and 4,064 to generate: decode-1's 255 pages, all of them.
         long = calls.submit(_stream, stack, 255 * 16 - 16, (1000,) * 16)
         long_task = _prefilled(peers["prefill-0"], 7)
         assert peers["decode-1"].receive(DecodeTask).request_id == long_task.request_id
-        peers["decode-1"].send(KvPulled(long_task.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-1"].send(KvPulled(long_task.request_id, "prefill-0", 0.0))
         _wait_for(lambda: {w.worker_id: w.reserved_pages for w in stack.workers()}["decode-1"] == 255, "long placed")
 
         peers["decode-0"].send(Deregister("decode-0"))
@@ -210,7 +209,7 @@ def test_a_moved_request_waits_first_in_line_until_the_other_decode_has_room(che
         moved = _prefilled(peers["prefill-0"], 44)
         assert moved.prompt_token_ids == first.prompt_token_ids + [42, 43] and moved.generated == 2
         assert peers["decode-1"].receive(DecodeTask).request_id == moved.request_id
-        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-1"].send(KvPulled(moved.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-1"], moved.request_id, [45], last=True)
         assert [t for c in call.result(timeout=30) for t in c.token_ids] == [42, 43, 44, 45]
         assert [t for c in long.result(timeout=30) for t in c.token_ids] == [7, 8]
@@ -223,7 +222,7 @@ def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
         call = calls.submit(_stream, stack, 6)
         first = _prefilled(peers["prefill-0"], 42)
         peers["decode-0"].receive(DecodeTask)
-        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0, time.time()))
+        peers["decode-0"].send(KvPulled(first.request_id, "prefill-0", 0.0))
         _tokens(peers["decode-0"], first.request_id, [43])
         peers["decode-0"].send(Deregister("decode-0"))
         with pytest.raises(grpc.RpcError) as error:
@@ -341,6 +340,6 @@ def test_streams_whose_decode_is_killed_finish_as_undisturbed_ones_over_grpc_and
 
     assert [answer for answer, _ in disturbed] == [answer for answer, _ in undisturbed]
     assert [moves for _, moves in disturbed] == [(1, 1), (1, 1), (1,), (1,)], "each says it moved, once"
-    assert _router_metric(stack, "pdserve:request_migrations_total") == 4
+    assert stack.metric("pdserve:request_migrations_total") == 4
     stack.wait_serving()  # the killed decode restarted and registered again
     stack.assert_pools_drained()

@@ -79,9 +79,9 @@ class Harness:
         """A placed request handed over to decode-0: its first token out, its pages pulled."""
         prefill = request.prefill.worker_id
         self.peers[prefill].send(KvReady(request.request_id, prefill, wire.pack_page_ids([0]), len(PROMPT), 42,
-                                         None, 0.0, 0.0, time.time(), 0))
+                                         None, 0.0, 0))
         assert (await self.received("decode-0", DecodeTask)).request_id == request.request_id
-        self.peers["decode-0"].send(KvPulled(request.request_id, prefill, 0.0, time.time()))
+        self.peers["decode-0"].send(KvPulled(request.request_id, prefill, 0.0))
         assert await next_event(request) == TokenEvent(42, None)
 
     def reserved(self) -> dict[str, list[str]]:
@@ -155,7 +155,7 @@ def test_a_waiting_request_that_cannot_be_sent_fails_alone_when_anothers_last_to
             assert not poisoned_admission.done() and not behind_admission.done(), "no room: both wait"
 
             harness.peers["decode-0"].send(TokenBatch([TokenOut(first.request_id, 50, FinishReason.LENGTH),
-                                                       TokenOut(second.request_id, 51, None)], time.time()))
+                                                       TokenOut(second.request_id, 51, None)]))
             assert await next_event(first) == TokenEvent(50, FinishReason.LENGTH)
             assert await next_event(second) == TokenEvent(51, None), "the batch's other token was dropped"
             with pytest.raises(wire.EncodeError):
@@ -221,8 +221,7 @@ def test_a_token_whose_handling_raises_fails_its_request_alone_and_the_batch_is_
                 await harness.decoding(request)
             harness.peers["decode-0"].send(TokenBatch([TokenOut(broken.request_id, 666, None),
                                                        TokenOut(whole.request_id, 43, None),
-                                                       TokenOut(whole.request_id, 44, FinishReason.LENGTH)],
-                                                      time.time()))
+                                                       TokenOut(whole.request_id, 44, FinishReason.LENGTH)]))
             assert await next_event(whole) == TokenEvent(43, None)
             assert await next_event(whole) == TokenEvent(44, FinishReason.LENGTH)
             event = await next_event(broken)
