@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import shutil
 import tempfile
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
