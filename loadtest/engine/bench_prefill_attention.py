@@ -17,8 +17,8 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
-after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE (split_attention sets 1 unless the environment
-sets it) is in the report: run once with =0 to compare.
+after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE, PyTorch's experimental setting for fewer plan
+builds, is in the report as the environment gives it.
 
 For a later chunk, what its layer's earlier K/V cost to read: the gather from scattered pages that
 each chunk made until now (bf16 pages; int8 pages dequantized), against what the prefill does now,

@@ -69,7 +69,9 @@ class Tiling:
     num_stages: int
 
 
-DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+# 128-token tiles: on the H200 at batch 32 x 8K the attention alone took 0.85x (bf16) and 0.70x (int8,
+# float8_e4m3) the time of 64-token tiles (docs/BENCHMARKS.md, decode attention per KV format).
+DEFAULT_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 
 
 if triton is not None:

@@ -19,21 +19,12 @@ masked attention; the CPU prefill itself keeps the masked SDPA (shared/model/att
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
 from shared.kernels.attention_merge import merge_attention
 
 GQA_NATIVE, GQA_STACKED = "native", "stacked"
-
-# cuDNN builds an execution plan for every new shape it runs, hundreds of milliseconds each, and a
-# prefill meets a new shape with every prompt length. With this set (PyTorch reads it once, at the
-# first cuDNN attention), it builds one per power-of-two bucket of the lengths for inputs laid out
-# as ours are, and passes the actual lengths at run time. Set it to 0 in the environment to turn it off.
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
-
 
 def gqa_modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str | None, str] | None:
     """How each part of the split runs here: (the unmasked part's GQA mode, None without earlier
