@@ -223,3 +223,15 @@ def test_random_preset_builds_the_8b_shape():
     tiny_pool = allocate_local_pool(layout, "cpu")[0]
     logits = tiny.prefill([1, 5, 9, 13], tiny_pool, [0])
     assert logits.shape == (32000,) and torch.isfinite(logits).all()
+
+
+def test_building_a_presets_config_leaves_its_fingerprint_as_the_router_hashed_it():
+    """transformers' config writes into nested dicts (the 512K preset's rope_scaling): a preset handed
+    over by reference made every worker's config_sha differ from the router's, which refused them."""
+    from shared.model.fingerprint import checkpoint_fingerprint
+    from shared.model.presets import preset_config
+
+    preset = "random:llama-3.1-8b-512k"
+    before = checkpoint_fingerprint(preset)
+    preset_config(preset)
+    assert checkpoint_fingerprint(preset) == before

@@ -100,7 +100,7 @@ def config_dict(checkpoint: Path | str) -> dict:
     """The checkpoint's config.json (or the preset's fields) as plain JSON, without transformers:
     what the router reads and what the fingerprint hashes."""
     if presets.is_random(str(checkpoint)):
-        return dict(presets.PRESETS[presets.preset_name(str(checkpoint))])
+        return presets.preset_fields(str(checkpoint))
     return json.loads((Path(checkpoint) / "config.json").read_text())
 
 

@@ -7,6 +7,8 @@ on the device. Speed depends on shapes, not on the values of the weights.
 
 from __future__ import annotations
 
+import copy
+
 PREFIX = "random:"
 
 LLAMA_3_1_8B = dict(
@@ -45,10 +47,16 @@ def preset_name(path: str) -> str:
     return name
 
 
+def preset_fields(path: str) -> dict:
+    """The preset's config fields, a deep copy: transformers' config writes into nested dicts
+    (rope_scaling), and the preset's own must stay as the fingerprint hashed them."""
+    return copy.deepcopy(PRESETS[preset_name(path)])
+
+
 def preset_config(path: str):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**PRESETS[preset_name(path)])
+    return LlamaConfig(**preset_fields(path))
 
 
 def random_hf_model(path: str, dtype, device: str, seed: int = 0):

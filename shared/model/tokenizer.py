@@ -57,7 +57,7 @@ class ServingTokenizer:
 def load_tokenizer(checkpoint: Path | str) -> ServingTokenizer:
     """checkpoint: a folder with tokenizer.json, or a `random:<preset>` name."""
     if presets.is_random(str(checkpoint)):
-        return synthetic_tokenizer(presets.PRESETS[presets.preset_name(str(checkpoint))])
+        return synthetic_tokenizer(presets.preset_fields(str(checkpoint)))
     folder = Path(checkpoint)
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"{folder} has no tokenizer.json: pdserve needs a fast (Rust) tokenizer")
