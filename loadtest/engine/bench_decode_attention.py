@@ -23,18 +23,19 @@ from loadtest.lib.device_rates import copy_bandwidth_gbs, cuda_time_ms
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from shared.kernels import kv_quant
-from shared.kernels.paged_attention_triton import DEFAULT_TILING, Tiling, compute_mode, paged_decode_attention
+from shared.kernels.paged_attention_triton import Tiling, compute_mode, default_tiling, paged_decode_attention
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
 
 PAGE_SIZE = 16
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 32, 8, 32, 128
 # name: (batch, context, the page table's width in tokens: the 8B presets' contexts)
-SHAPES = {"b32_8k": (32, 8192, 131072), "b1_1k": (1, 1024, 131072), "b1_512k": (1, 524224, 524288)}
+SHAPES = {"b32_8k": (32, 8192, 131072), "b16_8k": (16, 8192, 131072), "b8_8k": (8, 8192, 131072),
+          "b1_1k": (1, 1024, 131072), "b1_512k": (1, 524224, 524288)}
 KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
-TILINGS = (Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3))
+TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3))
 FP8_QUERY_TILINGS = (Tiling(64, 4, 2), Tiling(128, 8, 2))
-SPLITS = {"b32_8k": (2,), "b1_1k": (4, 16), "b1_512k": (16, 64)}
+SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b1_1k": (4, 16), "b1_512k": (16, 64)}
 
 
 def filled_pool(kv_dtype: str, pages: int):
@@ -104,7 +105,7 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline) -> li
     for row in rows:
         row["vs_shipped"] = row["step_attention_ms"] / shipped
     mode = compute_mode(q, pool.key(0), False)
-    rows[0].update(mode=mode, tiling=vars(DEFAULT_TILING[mode]))
+    rows[0].update(mode=mode, tiling=vars(default_tiling(mode, batch)))
     return rows
 
 

@@ -69,9 +69,16 @@ class Tiling:
     num_stages: int
 
 
-# 128-token tiles: on the H200 at batch 32 x 8K the attention alone took 0.85x (bf16) and 0.70x (int8,
-# float8_e4m3) the time of 64-token tiles (docs/BENCHMARKS.md, decode attention per KV format).
-DEFAULT_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+# The tiles by batch, measured on the H200 (docs/BENCHMARKS.md, decode attention per KV format): at
+# batch 32 x 8K 128-token tiles ran the attention in 0.85x (bf16) and 0.70x (int8, float8_e4m3) the
+# time of 64-token ones; at batch 1 x 1K they made the whole step about 4% slower.
+DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+LARGE_BATCH = 16
+
+
+def default_tiling(mode: str, batch: int) -> Tiling:
+    return (LARGE_BATCH_TILING if batch >= LARGE_BATCH else DEFAULT_TILING)[mode]
 
 
 if triton is not None:
@@ -326,7 +333,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
     fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
-    tiling: the loop's tile and warps, DEFAULT_TILING's for the mode when None (benchmarks sweep it)."""
+    tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it)."""
     require_triton("paged_decode_attention")
     _check_layout(q, k_cache, v_cache, page_table, seq_lens)
     _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
@@ -334,7 +341,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     mode = compute_mode(q, k_cache, fp8_query)
-    tiling = tiling or DEFAULT_TILING[mode]
+    tiling = tiling or default_tiling(mode, batch)
     if num_splits is None:
         num_splits = _choose_num_splits(batch, num_kv_heads, page_table.shape[1] * page_size, _num_sms(q.device))
     if num_splits < 1:
