@@ -241,3 +241,19 @@ def test_page_arithmetic():
     assert decode_pages_needed(10, 7, 16) == 2
     assert decode_pages_needed(100, 256, 16) == 23  # 356 tokens
     assert decode_pages_needed(1, 1, 1) == 2
+
+
+def test_a_local_cpu_pool_costs_memory_as_it_fills_and_reads_zero():
+    """A decode's pool is sized for its busiest hour: untouched pages must not be resident (the
+    embedded model's default decode pool is 1.5 GB, and a test machine runs several stacks)."""
+    def resident_anon_bytes() -> int:
+        line = next(line for line in open("/proc/self/status") if line.startswith("RssAnon"))
+        return int(line.split()[1]) * 1024
+
+    layout = make_layout(8, 4096, 16, 4, 64, torch.float32)  # 512 MiB of K and V
+    before = resident_anon_bytes()
+    pool, buffer = allocate_local_pool(layout, "cpu")
+    assert resident_anon_bytes() - before < layout_bytes(layout) // 8
+    assert int(pool.key(7)[4095].count_nonzero()) == 0 and int(pool.value(0)[0].count_nonzero()) == 0
+    pool.key(3)[100].fill_(1.0)
+    assert float(pool.key(3)[100].sum()) == 16 * 4 * 64
