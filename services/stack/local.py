@@ -72,6 +72,9 @@ class ServiceMap(Mapping[str, V]):
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def __repr__(self) -> str:
+        return repr(self._by_name)
+
 
 class LocalStack:
     def __init__(self, workdir: Path, cache_dir: str, services: tuple[str, ...] = SERVICES,
