@@ -3,6 +3,10 @@ from a few clients, and a SIGKILL to a service every few seconds. Every call mus
 explicitly, and once the killing stops the stack must serve again with nothing held: no KV page,
 no shared memory.
 
+Beside the normal clients a hostile one (tests/hostile_client.py) sends values out of range over
+both fronts, chats of too many messages, connections that never send a byte and streams it never
+reads: each must get what it is owed, and none may cost a normal call its answer.
+
 It runs in two phases on one stack. First only decodes are killed, each while it holds requests
 and only while the other serves: migration (services/router/control/migration.py) must then save
 every call, so none of those that end in this phase may fail. Then any service is killed at random,
@@ -30,6 +34,7 @@ import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.supervisor import RestartPolicy
 from tests.conftest import CACHE_DIR
+from tests.hostile_client import HostileClient
 from tests.stack import ServiceStack
 from tests.test_faults import FAST_HEARTBEATS
 
@@ -53,7 +58,9 @@ SAVED = {"short": {"finished:length"}, "long": {"finished:length"}, "cancelled":
 # the router's side first.
 SETTINGS = {**FAST_HEARTBEATS, "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "10", "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": "30",
             "PDSERVE_ROUTER_HANDOFF_TIMEOUT_S": "20", "PDSERVE_KV_TRANSFER_TIMEOUT_S": "10",
-            "PDSERVE_ROUTER_DECODE_TOKEN_TIMEOUT_S": "10"}
+            "PDSERVE_ROUTER_DECODE_TOKEN_TIMEOUT_S": "10",
+            # The hostile client's unread streams and idle connections are let go of within seconds.
+            "PDSERVE_ROUTER_STALL_TIMEOUT_S": "3", "PDSERVE_ROUTER_CONNECTION_IDLE_TIMEOUT_S": "2"}
 # A service may be killed again while it starts: restart quickly, and give up only on a real crash loop.
 RESTARTS = RestartPolicy(first_delay_s=0.5, max_delay_s=2.0, stable_after_s=10.0, crash_limit=20, crash_window_s=60)
 # The router comes back within seconds: reconnect as fast, instead of gRPC's backoff of up to 2 minutes.
@@ -153,8 +160,11 @@ def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoi
     with ServiceStack(tmp_path, CACHE_DIR, restart=RESTARTS, decode=len(DECODES), **SETTINGS) as stack:
         started = time.monotonic()
         until = started + CHAOS_S
+        hostile = HostileClient(stack.config, stack.address, stack.env["PDSERVE_ROUTER_HTTP_ADDRESS"])
+        acts: list[tuple[str, str]] = []
         clients = [threading.Thread(target=_client, args=(stack.address, SEED + i, until, outcomes))
                    for i in range(CLIENTS)]
+        clients.append(threading.Thread(target=hostile.run, args=(SEED, until, acts)))
         for client in clients:
             client.start()
         rng = random.Random(SEED)
@@ -166,7 +176,7 @@ def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoi
         restarts = len(stack.supervisor.pids) - len(VICTIMS)
         moved = stack.log_path("router").read_text().count("request moved to another decode")
         summary = (f"kills (victim, seconds to serve again): {[k[1:] for k in kills]}; {restarts=}; {moved=}; "
-                   f"calls: {calls}")
+                   f"calls: {calls}; hostile acts: {collections.Counter(acts)}")
         print(summary)
         assert not any(client.is_alive() for client in clients), "a call outlived its deadline: " + summary
         assert stack.failure is None, summary
@@ -180,6 +190,9 @@ def test_every_call_ends_explicitly_while_services_are_killed_at_random(checkpoi
         assert not hung, summary
         assert kills and any(o.startswith("finished:") and at > kills[0][0] for _, o, at in outcomes), \
             "restarted services served: " + summary
+        assert all(hostile.allowed(act, outcome) for act, outcome in acts), summary
+        assert {act for act, outcome in acts if hostile.owed(act, outcome)} == set(hostile.acts), \
+            "every hostile act got what it is owed at least once: " + summary
 
         time.sleep(2 * float(FAST_HEARTBEATS["PDSERVE_ROUTER_HEARTBEAT_TIMEOUT_S"]))  # the last victim is dropped
         stack.wait_serving()  # every worker registered again
