@@ -268,12 +268,21 @@ def _cpu_seconds(pid: int, window_s: float) -> float:
     return used() - before
 
 
+def _quietest_second(pid: int, tries: int = 10) -> float:
+    """The CPU a process uses in one second, once its start-up work is over (it registers before it
+    has mapped the prefill's pool, for one): the first reading under 0.05 s, else the least of them."""
+    readings = []
+    while len(readings) < tries and min(readings, default=1.0) >= 0.05:
+        readings.append(_cpu_seconds(pid, 1.0))
+    return min(readings)
+
+
 def test_a_decode_with_idle_spin_polls_after_its_work_and_sleeps_after_that(checkpoint, tmp_path):
     """A spinning decode burns CPU where a sleeping one does not. On a loaded machine the spinner gets
     only its share of a core, so it is compared with its own sleeping windows, not with a whole core."""
     with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_DECODE_IDLE_SPIN_S="4") as stack:
         decode = stack.processes["decode"].pid
-        asleep_before = _cpu_seconds(decode, 1.0)  # no step yet: nothing to spin after
+        asleep_before = _quietest_second(decode)  # no step yet: nothing to spin after
         request = generation_pb2.GenerateRequest(prompt="Hello", max_tokens=4, ignore_eos=True, temperature=0)
         assert sum(len(c.token_ids) for c in stack.stub.Generate(request, timeout=60)) == 4
         finished = time.monotonic()
