@@ -3,14 +3,20 @@
 It appends when it started to --starts (so the test can time the restarts), then exits with N
 after S seconds, or with --after omitted runs until SIGTERM and exits 0, as the services do.
 --ignore-sigterm makes it a laggard that ignores SIGTERM and SIGINT, which the supervisor must SIGKILL.
+--shared-memory NAME creates a POSIX shared-memory segment as a prefill's pool export does (its
+resource tracker unlinks it if the process is killed); --sleeper PIDFILE starts a child of its own
+that ignores SIGTERM and writes that child's pid there.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import time
+from multiprocessing import shared_memory
+from pathlib import Path
 
 
 def main() -> int:
@@ -19,7 +25,14 @@ def main() -> int:
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--after", type=float)
     parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--shared-memory")
+    parser.add_argument("--sleeper")
     args = parser.parse_args()
+    if args.shared_memory:
+        segment = shared_memory.SharedMemory(args.shared_memory, create=True, size=4096)  # noqa: F841 (kept open)
+    if args.sleeper:
+        sleeper = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 1000"])
+        Path(args.sleeper).write_text(str(sleeper.pid))
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

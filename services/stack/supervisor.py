@@ -3,7 +3,7 @@ stacks and the benchmarks' children all start and stop their processes here.
 
 Each service runs as `python -m <module>` from the repository root, in a session of its own: a
 Ctrl-C in the terminal reaches only the supervisor, which then stops each service with SIGTERM,
-and a SIGKILL to a laggard's process group also takes whatever that service started itself.
+and a laggard gets SIGKILL, then its process group: whatever that service started itself.
 
 Restarts follow systemd's `Restart=on-failure` with a backoff (`supervise`, RestartPolicy): a
 service that exits is started again after a delay that doubles up to a ceiling and falls back to
@@ -39,6 +39,7 @@ log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.1
+GROUP_EXIT_S = 3.0  # how long a killed service's process group may take to finish by itself
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,23 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.warning("service outlived the grace period: killing its process group", child=name,
                             pid=process.pid)
-                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                    os.killpg(process.pid, signal.SIGKILL)
-                codes[name] = process.wait()
+                codes[name] = _kill_group(process)
         return codes
+
+
+def _kill_group(process: subprocess.Popen) -> int:
+    """SIGKILL to the service first, then to what is left of its process group: its resource
+    tracker, in that group, unlinks the shared memory the service exported once the service is
+    gone, and would leave the segments behind were it killed alongside."""
+    process.kill()
+    code = process.wait()
+    deadline = time.monotonic() + GROUP_EXIT_S
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(process.pid, 0)  # raises once the group is empty
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return code
 
