@@ -186,6 +186,30 @@ def test_cancelled_request_frees_its_pages(stack):
     stack.assert_pools_drained()
 
 
+def test_a_long_prompt_cancelled_while_it_runs_stops_at_the_prefills_next_chunk(stack):
+    """Cancelled while the prefill computes its prompt, the request's compute ends at the next
+    layer's chunk and its pages are freed; before, the prefill ran the rest of the prompt for
+    nobody (seconds here, minutes for a 512K-token prompt) while every prompt behind it waited."""
+    prefill_log = stack.log_path("prefill-0")
+    abandoned = prefill_log.read_text().count('"event": "prompt abandoned mid-way"')
+    prompt = generation_pb2.GenerateRequest(prompt_token_ids=[1000 + i % 5000 for i in range(3000)], max_tokens=2,
+                                            temperature=0, ignore_eos=True)
+    call = stack.stub.Generate(prompt, timeout=300)
+    deadline = time.monotonic() + 60
+    while not [w for w in stack.workers() if w.role == "prefill" and w.free_pages < w.total_pages]:
+        assert time.monotonic() < deadline, "the prompt never took its pages"
+        time.sleep(0.05)
+    call.cancel()
+    deadline = time.monotonic() + 120
+    while prefill_log.read_text().count('"event": "prompt abandoned mid-way"') == abandoned:
+        assert time.monotonic() < deadline, "the prefill computed the cancelled prompt to its end"
+        time.sleep(0.1)
+    assert '"reason": "aborted"' in prefill_log.read_text()
+    stack.assert_pools_drained()
+    ids, _, _ = _generate(stack.stub, _request("prompt", "Hello", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2
+
+
 def test_workers_report_their_pools(stack):
     config = load_config(None, environ=stack.env)
     stack.assert_pools_drained()  # an earlier test's cancelled request may still be in a heartbeat

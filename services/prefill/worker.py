@@ -5,6 +5,9 @@ Lifecycle of a request here:
   -> it holds the cached pages of its longest cached prefix and gets fresh pages for the rest
      (services/prefill/prefix_cache.py) -> the forward pass computes the rest into the fresh
      pages -> the first token is sampled -> the prompt's full pages join the cache
+     Between two chunks of the forward pass the messages that arrived are handled, so an Abort,
+     a router that forgot us, or a stop signal ends a long prompt at its next chunk, not minutes
+     later (PromptAbandoned)
   -> KvReady (every page id of the prompt, cached ones too; the first token; the cached tokens)
      goes to the router -> the pages stay held until the router sends ReleaseKv (the decode has
      copied them) or Abort (the request is gone); then cached pages stay in the cache, the others
@@ -46,6 +49,10 @@ log = structlog.get_logger()
 IDLE_WAIT_S = 0.1  # an idle loop's longest wait for a message (it also pings the watchdog)
 
 
+class PromptAbandoned(Exception):
+    """The prompt being computed is no longer wanted; its pages are freed at once."""
+
+
 @dataclass(frozen=True)
 class Queued:
     task: PrefillTask
@@ -72,6 +79,8 @@ class PrefillWorker(WorkerLoop):
         self.use_cache = config.prefill.prefix_cache
         self.waiting: deque[Queued] = deque()
         self.held: dict[str, Lease] = {}
+        self.running: str | None = None  # the request whose prompt is being computed
+        self.abandoned = ""  # why the running prompt is no longer wanted
         super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handles,
                          {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
                          worker_stream(model.device, high_priority=False))
@@ -128,6 +137,8 @@ class PrefillWorker(WorkerLoop):
             self.cache.release(lease)
         self.held.clear()
         self.waiting.clear()
+        if self.running is not None:
+            self.abandoned = "the router forgot it"
         if self.events:
             self.events.resync()
 
@@ -150,6 +161,15 @@ class PrefillWorker(WorkerLoop):
         head = self.waiting[0]
         return self.cache.fits(head.keys, len(head.task.prompt_token_ids))
 
+    def _between_chunks(self) -> None:
+        """The liveness of a long prompt (receiving is the loop coming round) and its cancellation.
+        A task arriving meanwhile only queues; a ReleaseKv frees another request's pages."""
+        self.link.dispatch(self.dispatch, 0.0)
+        if self.stop.now.is_set():
+            self.abandoned = "the worker is stopping now"
+        if self.abandoned:
+            raise PromptAbandoned(self.abandoned)
+
     def _on_task(self, task: PrefillTask) -> None:
         needed = pages_for(len(task.prompt_token_ids), self.page_size)
         if not task.prompt_token_ids or needed > self.cache.num_pages:
@@ -165,6 +185,8 @@ class PrefillWorker(WorkerLoop):
             self.cache.release(lease)
 
     def _on_abort(self, message: Abort) -> None:
+        if message.request_id == self.running:
+            self.abandoned = "aborted"
         self._on_release(ReleaseKv(message.request_id))
         self.waiting = deque(queued for queued in self.waiting if queued.task.request_id != message.request_id)
 
@@ -175,15 +197,24 @@ class PrefillWorker(WorkerLoop):
         cached_tokens = lease.cached_pages * self.page_size
         if self.use_cache:
             metrics.count_prefix_cache(len(prompt), cached_tokens)
+        self.running, self.abandoned = task.request_id, ""
         try:
             logits = self.model.prefill(prompt, self.exported.pool, lease.pages, self.chunk_tokens,
-                                        self.link.made_progress, start=cached_tokens)
+                                        self._between_chunks, start=cached_tokens)
             token = sample(logits[None], [task.sampling], [task.generated])[0]  # syncs: the pages are written
+        except PromptAbandoned:
+            self.cache.release(lease)
+            log.info("prompt abandoned mid-way", request_id=task.request_id, reason=self.abandoned)
+            if self.stop.now.is_set():
+                self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
+            return
         except Exception as exc:
             self.cache.release(lease)
             log.exception("prefill failed", request_id=task.request_id)
             self.link.send(Failed(task.request_id, ErrorCode.INTERNAL, f"prefill failed: {exc}"))
             return
+        finally:
+            self.running = None
         self.cache.store(queued.keys, lease)
         self.held[task.request_id] = lease
         finish_reason = self.finish(token, task.generated + 1, len(prompt) + 1, task.stop)
