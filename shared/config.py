@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+QUANTIZATIONS = ("none", "fp8")  # model.quantization
+
+
 class ConfigError(ValueError):
     pass
 
@@ -54,6 +57,10 @@ class ModelConfig:
     dtype: str = field(default="float32", metadata=_check(  # float32 on the CPU; bfloat16 on a GPU
         lambda v: v in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16"))
     device: str = "cpu"
+    # "fp8": the linear layers' weights in float8_e4m3, a scale per output channel (shared/model/quantization.py);
+    # a checkpoint already in FP8 (its config.json's quantization_config) loads as FP8 whatever this says.
+    quantization: str = field(default="none", metadata=_check(lambda v: v in QUANTIZATIONS,
+                                                               f"must be one of {', '.join(QUANTIZATIONS)}"))
     # Where a GGUF file is converted once into a safetensors checkpoint, so that no process start
     # pays for dequantizing it (docs/BENCHMARKS.md, "Model loading").
     cache_dir: str = "~/.cache/pdserve"

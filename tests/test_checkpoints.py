@@ -111,7 +111,7 @@ def test_the_router_samples_unset_fields_by_the_models_generation_config(checkpo
     request without temperature reaches the prefill greedy, one that gives it keeps its own."""
     folder = write_checkpoint(tmp_path / "model", LlamaConfig(**TINY), checkpoint, {"temperature": 0.0, "top_k": 20})
     stack = ServiceStack(tmp_path, CACHE_DIR, services=("router",), PDSERVE_MODEL_PATH=str(folder))
-    fingerprint = model_fingerprint(folder, "float32", 1, 1, 16, 16, "bfloat16")
+    fingerprint = model_fingerprint(folder, "float32", "none", 1, 1, 16, 16, "bfloat16")
     endpoint = f"ipc://{tmp_path}/run/router.ipc"
     prefill, decode = (ProtocolPeer(endpoint, f"{role}-0", role, fingerprint) for role in (Role.PREFILL, Role.DECODE))
     try:

@@ -4,7 +4,9 @@ Without CUDA the kernel runs in Triton's CPU interpreter, one explicit config at
 shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so there bf16 runs only
 through the multiply-add configs; the tensor-core configs are checked in fp32 and fp16 here and in
 bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
-llama-tiny and SmolLM2-135M, and inside the decode step.
+llama-tiny and SmolLM2-135M, and inside the decode step. float8_e4m3fn weights, with a float32
+scale per output channel, run every config against the dequantized weight, here and on the GPU at
+the shape of Llama-3.1-8B's o_proj.
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from shared.kernels import gemv_triton
-from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, gemv
+from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, gemv
 from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,14 +51,30 @@ def operands(rows, n, k, dtype, device, seed=0):
     return x.to(dtype), torch.randn(n, k, generator=gen, device=device).to(dtype)
 
 
+def fp8_operands(rows, n, k, dtype, device, seed=0):
+    """operands() with the weight quantized to float8_e4m3fn, one float32 scale per output channel:
+    x, the fp8 weight, its scale, and the dequantized weight in float64 (exact)."""
+    x, weight = operands(rows, n, k, torch.float32, device, seed)
+    scale = weight.abs().amax(dim=1) / 448.0  # e4m3's largest value
+    quantized = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+    return x.to(dtype), quantized, scale, quantized.double() * scale.double()[:, None]
+
+
 def check(out, x, weight, tol):
     assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype
     torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **tol)
 
 
+def check_fp8(out, x, dequantized, tol):
+    """Against the float64 product with the dequantized weight: only the kernel's rounding is left."""
+    assert out.shape == (x.shape[0], dequantized.shape[0]) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), x.double() @ dequantized.T, **tol)
+
+
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 FP16_TOL = {"atol": 2e-3, "rtol": 2e-3}
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+TOL = {torch.float32: FP32_TOL, torch.float16: FP16_TOL, torch.bfloat16: BF16_TOL}
 
 
 # --- CPU interpreter (or compiled, when CUDA is present), explicit configs -----------------------
@@ -85,6 +103,44 @@ def test_split_k_at_max_rows(config):
     # K = 448: the last split gets a partial block (split 2) or nothing at all (split 4).
     x, weight = operands(MAX_ROWS, 64, 448, torch.float32, DEVICE)
     check(gemv(x, weight, config), x, weight, FP32_TOL)
+
+
+FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"]]
+FP8_SHAPES = {"even": (96, 256), "partial-rows": (51, 256)}  # 51: no BLOCK_N divides it
+
+
+@pytest.mark.parametrize("config,rows", FP8_CONFIG_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in FP8_CONFIG_ROWS])
+@pytest.mark.parametrize("n,k", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
+def test_every_config_fp8_weight_fp32_x(config, rows, n, k):
+    x, weight, scale, dequantized = fp8_operands(rows, n, k, torch.float32, DEVICE)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP32_TOL)
+
+
+@pytest.mark.parametrize("config", MULTIPLY_ADD, ids=config_id)
+def test_fp8_weight_bf16_x_multiply_add(config):
+    x, weight, scale, dequantized = fp8_operands(1, *FP8_SHAPES["partial-rows"], torch.bfloat16, DEVICE)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, BF16_TOL)
+
+
+@pytest.mark.parametrize("config", TENSOR_CORES, ids=config_id)
+def test_fp8_weight_fp16_x_tensor_cores(config):
+    # The fp8 tile widened to a 16-bit dot, which bf16 cannot show in the interpreter.
+    x, weight, scale, dequantized = fp8_operands(MAX_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP16_TOL)
+
+
+def test_bad_fp8_inputs_raise():
+    x, weight, scale, dequantized = fp8_operands(1, 96, 256, torch.bfloat16, DEVICE)
+    config = MULTIPLY_ADD[0]
+    with pytest.raises(ValueError, match="needs its weight_scale"):
+        gemv(x, weight, config)
+    with pytest.raises(ValueError, match="goes with a torch.float8_e4m3fn weight"):
+        gemv(x, dequantized.bfloat16(), config, weight_scale=scale)
+    with pytest.raises(ValueError, match="x torch.float8_e4m3fn must be one of"):
+        gemv(x.to(torch.float8_e4m3fn), weight, config, weight_scale=scale)
+    for bad_scale in (scale[:95], scale[None], scale.double(), scale.bfloat16(), scale.repeat_interleave(2)[::2]):
+        with pytest.raises(ValueError, match=r"must be float32 \[96\], contiguous"):
+            gemv(x, weight, config, weight_scale=bad_scale)
 
 
 def test_strided_rows_of_x():
@@ -214,6 +270,31 @@ def test_every_config_bf16_cuda(config):
     rows = 1 if config.kwargs["BLOCK_M"] == 1 else 5
     x, weight = operands(rows, 4096, 14336, torch.bfloat16, "cuda")
     check(gemv(x, weight, config), x, weight, BF16_TOL)
+
+
+FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"]]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("config,rows", FP8_CUDA_CONFIG_ROWS,
+                         ids=[f"{config_id(c)}-rows{r}" for c, r in FP8_CUDA_CONFIG_ROWS])
+def test_every_config_fp8_weight_cuda(config, rows, dtype):
+    x, weight, scale, dequantized = fp8_operands(rows, *LLAMA_8B["o_proj"], dtype, "cuda")
+    assert gemv_triton.supports(x, weight, scale)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_supports_fp8_weight_only_with_its_scale_cuda():
+    x, weight, scale, dequantized = fp8_operands(1, 96, 256, torch.bfloat16, "cuda")
+    assert gemv_triton.supports(x, weight, scale)
+    assert not gemv_triton.supports(x, weight)
+    assert not gemv_triton.supports(x, dequantized.bfloat16(), scale)
+    for bad_scale in (scale[:95], scale.double(), scale.repeat_interleave(2)[::2], scale.cpu()):
+        assert not gemv_triton.supports(x, weight, bad_scale)
 
 
 @pytest.mark.gpu

@@ -166,7 +166,7 @@ def test_kv_dtype_in_the_config():
 
 def test_workers_of_another_kv_dtype_are_refused():
     def fp(kv_dtype: str) -> ModelFingerprint:
-        return fingerprint.model_fingerprint("random:llama-tiny", "bfloat16", 4, 2, 64, 16, kv_dtype)
+        return fingerprint.model_fingerprint("random:llama-tiny", "bfloat16", "none", 4, 2, 64, 16, kv_dtype)
 
     int8, bf16 = fp("int8"), fp("bfloat16")
     assert int8.kv_layout != bf16.kv_layout and "kv_dtype=int8" in int8.kv_layout

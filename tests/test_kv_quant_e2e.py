@@ -1,6 +1,6 @@
-"""Quantized KV through the real stack: a prefill and a decode process with kv.dtype int8 or
-float8_e4m3 serve requests whose greedy tokens equal those of the same model run in-process on a
-quantized pool. The decode reads every prompt token's K/V from pages the handoff brought, values
+"""Quantized KV and weights through the real stack: a prefill and a decode process with kv.dtype
+int8, or float8_e4m3 with FP8 weights (model.quantization fp8: what an FP8 deployment runs), serve
+requests whose greedy tokens equal those of the same model run in-process on a quantized pool. The decode reads every prompt token's K/V from pages the handoff brought, values
 and scales: pages without their scales would read back as zeros, and the tokens would differ.
 Alone, concurrently (batched in the decode), and after a prefix the prefill had cached.
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pdserve.v1 import generation_pb2
+from shared.control.messages import EXIT_REFUSED
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.model.llama import load_paged_llama
@@ -37,7 +38,10 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ", "Zürich, 
 SYSTEM = "You are a careful assistant. You answer every question briefly, in one sentence, and never more. "
 
 
-@pytest.fixture(scope="module", params=["int8", "float8_e4m3"])
+WEIGHTS = {"int8": "none", "float8_e4m3": "fp8"}  # model.quantization beside each kv.dtype
+
+
+@pytest.fixture(scope="module", params=list(WEIGHTS))
 def kv_dtype(request):
     return request.param
 
@@ -46,14 +50,15 @@ def kv_dtype(request):
 def stack(checkpoint, tmp_path_factory, kv_dtype):
     cores = sorted(os.sched_getaffinity(0))
     with ServiceStack(tmp_path_factory.mktemp(f"kv-{kv_dtype}"), CACHE_DIR, PDSERVE_KV_DTYPE=kv_dtype,
-                      PDSERVE_PREFILL_CPU_CORES=str(cores[0]), PDSERVE_DECODE_CPU_CORES=str(cores[-1])) as services:
+                      PDSERVE_MODEL_QUANTIZATION=WEIGHTS[kv_dtype], PDSERVE_PREFILL_CPU_CORES=str(cores[0]),
+                      PDSERVE_DECODE_CPU_CORES=str(cores[-1])) as services:
         yield services
         services.stop_drained()
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_paged_llama(checkpoint, "float32", "cpu")
+def model(checkpoint, kv_dtype):
+    return load_paged_llama(checkpoint, "float32", "cpu", WEIGHTS[kv_dtype])
 
 
 class QuantizedReference:
@@ -107,6 +112,23 @@ def test_greedy_tokens_equal_the_in_process_quantized_run(stack, model, tokenize
                                                     expected):
             assert_matches_reference(got, tokens, logits, f"{kv_dtype} concurrent prompt of {len(ids)}",
                                      tie=2 * order_effect)
+
+
+def test_a_worker_of_other_weights_is_refused(stack, kv_dtype, tmp_path):
+    """A decode whose weights are quantized otherwise computes other K/V and logits: the router
+    refuses it, naming the difference, and it exits EXIT_REFUSED without ever being listed."""
+    other = "none" if WEIGHTS[kv_dtype] == "fp8" else "fp8"
+    misfit = ServiceStack(tmp_path, CACHE_DIR, services=("decode",), PDSERVE_ROUTER_RUNTIME_DIR=stack.env[
+        "PDSERVE_ROUTER_RUNTIME_DIR"], PDSERVE_DECODE_WORKER_ID="decode-misfit", PDSERVE_KV_DTYPE=kv_dtype,
+        PDSERVE_MODEL_QUANTIZATION=other)
+    try:
+        misfit.start("decode")
+        assert misfit.processes["decode"].wait(timeout=120) == EXIT_REFUSED
+        ours, theirs = (f"float32{'' if q == 'none' else ' weights=' + q}" for q in (WEIGHTS[kv_dtype], other))
+        assert f"dtype {theirs} instead of {ours}" in misfit.log_path("decode").read_text()
+        assert "decode-misfit" not in {w.worker_id for w in stack.workers()}
+    finally:
+        misfit.stop()
 
 
 def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):

@@ -1,6 +1,7 @@
-"""Accuracy of the quantized KV caches against the unquantized one (JSON on stdout).
+"""Accuracy of the quantized KV caches, and of FP8 weights, against the unquantized model (JSON on stdout).
 
-    python -m loadtest.engine.bench_kv_accuracy [--model embedded] [--device cpu] [--tokens 64] [--out FILE]
+    python -m loadtest.engine.bench_kv_accuracy [--model embedded] [--device cpu] [--tokens 64] [--fp8-weights]
+                                                [--out FILE]
 
 The reference runs every prompt with kv.dtype "bfloat16": pages unquantized, in the model's own
 dtype (float32 for the CPU's embedded model), and generates --tokens greedy tokens. Each quantized
@@ -17,6 +18,9 @@ The prompts run batched through PagedLlama.prefill and .decode, as a prefill and
 run them (on a GPU: the fused RoPE/KV write and the Triton paged attention, without CUDA graphs).
 A checkpoint's prompts are a fixed set of texts; a random-weight model's (random:...) are seeded
 random token ids, --prompt-tokens each.
+With --fp8-weights the model's linear layers are then quantized (model.quantization fp8,
+shared/model/quantization.py) and run the same way, with unquantized pages ("fp8 weights") and
+with float8_e4m3 pages ("fp8 weights, float8_e4m3"), against the same unquantized reference.
 On a GPU, float8_e4m3 runs a second time with the FP8-query attention (PagedLlama.fp8_query), as
 "float8_e4m3+fp8_query"; with --baseline (a file of an earlier shared/kernels/paged_attention_triton.py,
 loadtest/lib/baseline_attention.py) each format also runs with that kernel, as "<format>+baseline".
@@ -144,6 +148,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="length of a random-weight model's prompts")
     parser.add_argument("--cache-dir", default="~/.cache/pdserve")
     parser.add_argument("--baseline", help="GPU: a file of an earlier shared/kernels/paged_attention_triton.py")
+    parser.add_argument("--fp8-weights", action="store_true", help="also run with the weights in FP8")
     parser.add_argument("--out")
     args = parser.parse_args()
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -168,6 +173,15 @@ def main() -> None:
             free = generate(model, prompts, kv_dtype, args.tokens)
         report["formats"][name] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
                                    **compare(reference, forced, free)}
+    if args.fp8_weights:
+        model.fp8_query = False
+        for layer in model.layers:
+            layer.quantize_fp8()
+        for name, kv_dtype in (("fp8 weights", "bfloat16"), ("fp8 weights, float8_e4m3", "float8_e4m3")):
+            forced = generate(model, prompts, kv_dtype, args.tokens, forced=reference.tokens)
+            free = generate(model, prompts, kv_dtype, args.tokens)
+            report["formats"][name] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
+                                       **compare(reference, forced, free)}
     emit(report, args.out)
 
 

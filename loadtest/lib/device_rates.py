@@ -1,6 +1,6 @@
 """The device's own limits, measured in the benchmark's run: the copy bandwidth a decode step's
-floor divides by, the bf16 matmul rate a prefill's efficiency is a fraction of, and the CUDA event
-timer both are read with."""
+floor divides by, the bf16 and FP8 matmul rates a prefill's efficiency is a fraction of, and the
+CUDA event timer they are read with."""
 
 from __future__ import annotations
 
@@ -37,4 +37,15 @@ def matmul_tflops() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn_like(a)
     best = cuda_time_ms(lambda: a @ b, 10)[0]
+    return 2 * 8192 ** 3 / (best / 1e3) / 1e12
+
+
+def fp8_matmul_tflops() -> float:
+    """An e4m3 8192^3 torch._scaled_mm with a scale per row and per column, bf16 out, best of 10."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    scale_a = torch.ones(8192, 1, device="cuda")
+    scale_b = torch.ones(1, 8192, device="cuda")
+    best = cuda_time_ms(lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,  # noqa: SLF001
+                                                 out_dtype=torch.bfloat16), 10)[0]
     return 2 * 8192 ** 3 / (best / 1e3) / 1e12

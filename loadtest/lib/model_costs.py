@@ -14,13 +14,18 @@ from shared.model.loader import load_hf_config
 ROW_GATHERED = ("embed", "cos", "sin")
 
 
-def model_shape(checkpoint, dtype: torch.dtype) -> PagedLlama:
-    """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory."""
+def model_shape(checkpoint, dtype: torch.dtype, quantization: str = "none") -> PagedLlama:
+    """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory;
+    quantization "fp8": its linear weights in FP8, as model.quantization has them."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(load_hf_config(checkpoint), dtype=dtype)
-    return PagedLlama.from_hf(hf, "meta")
+    model = PagedLlama.from_hf(hf, "meta")
+    if quantization == "fp8":
+        for layer in model.layers:
+            layer.quantize_fp8()
+    return model
 
 
 def weight_bytes_per_step(model: PagedLlama) -> int:
@@ -38,6 +43,16 @@ def linear_flops(model: PagedLlama, tokens: int) -> float:
     """2 * params per token for every layer's linears, plus the lm_head for the last position."""
     linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
     return 2 * linear * tokens + 2 * model.lm_head.numel()
+
+
+def prefill_bound_s(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops: float | None = None) -> dict:
+    """A prompt's matmuls at the device's rates: the layers' linears at the rate of their weights'
+    type (FP8 weights: fp8_tflops), the lm_head and the causal attention at the bf16 rate."""
+    lm_head = 2 * model.lm_head.numel()
+    layers_rate = fp8_tflops if model.weights.quantization == "fp8" else bf16_tflops
+    linear_s = ((linear_flops(model, tokens) - lm_head) / layers_rate + lm_head / bf16_tflops) / 1e12
+    attention_s = attention_flops(model, tokens) / bf16_tflops / 1e12
+    return {"bound_s": linear_s + attention_s, "linear_bound_s": linear_s, "attention_bound_s": attention_s}
 
 
 def attention_flops(model: PagedLlama, tokens: int) -> float:

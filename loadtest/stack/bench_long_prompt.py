@@ -1,7 +1,8 @@
 """One long prompt through the whole stack: its time to first token beside the compute bound, and the
 decode's step at that context beside its memory floor (JSON on stdout).
 
-    python -m loadtest.stack.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--out FILE]
+    python -m loadtest.stack.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--quantization fp8]
+                                               [--out FILE]
 
 The stack is the real one (services/stack/local.py: router, one prefill, one decode; on a GPU the
 decode maps the prefill's weights), with both KV pools sized to the prompt plus its output, the
@@ -11,7 +12,8 @@ first-call costs and the path of a chunk attending to earlier pages are paid bef
 
 In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
-  causal attention, loadtest/lib/model_costs.prefill_flops) at that rate;
+  causal attention, loadtest/lib/model_costs.prefill_bound_s) at that rate (with FP8 weights, the
+  layers' linears at the FP8 rate, measured too);
 - the copy bandwidth, so a decode step's floor is (weight bytes + the context's KV bytes, scales
   included: shared/kv/pool.py token_bytes) / bandwidth, at the mean context of the decoded tokens.
 On a GPU both are loadtest/lib/device_rates.py's (bf16 8192^3, a 4 GiB device copy). On the CPU they are a
@@ -32,16 +34,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from loadtest.lib.device_rates import copy_bandwidth_gbs, matmul_tflops
+from loadtest.lib.device_rates import copy_bandwidth_gbs, fp8_matmul_tflops, matmul_tflops
 from loadtest.lib.generate_client import StreamRecord, generate_or_raise
-from loadtest.lib.model_costs import (attention_flops, kv_token_bytes, linear_flops, model_shape, prefill_flops,
-                                     weight_bytes_per_step)
+from loadtest.lib.model_costs import kv_token_bytes, model_shape, prefill_bound_s, prefill_flops, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
 from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
-from shared.config import KvConfig, RouterConfig
+from shared.config import QUANTIZATIONS, KvConfig, RouterConfig
 from shared.kv.pages import decode_pages_needed
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config, resolve_checkpoint
@@ -70,12 +71,14 @@ def cpu_rates() -> dict:
                         f"{torch.get_num_threads()} threads of the benchmark process, not the services' cores"}
 
 
-def device_rates(device: str) -> dict:
+def device_rates(device: str, quantization: str) -> dict:
     if not device.startswith("cuda"):
         return cpu_rates()
     rates = {"matmul_tflops": matmul_tflops(), "copy_bandwidth_gbs": copy_bandwidth_gbs(),
              "measured": f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul and a 4 GiB device copy "
                          "(loadtest/lib/device_rates.py), before the stack started"}
+    if quantization == "fp8":
+        rates["fp8_matmul_tflops"] = fp8_matmul_tflops()
     torch.cuda.empty_cache()  # the stack needs the memory
     return rates
 
@@ -89,7 +92,8 @@ def stack_settings(args, pages: int) -> dict[str, str]:
         base = gpu_stack_settings(args.model, SERVICES) | base | {"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1"}
     timeout = str(args.request_timeout_s)
     return base | {
-        "PDSERVE_MODEL_PATH": args.model, "PDSERVE_KV_DTYPE": args.kv_dtype,
+        "PDSERVE_MODEL_PATH": args.model, "PDSERVE_MODEL_QUANTIZATION": args.quantization,
+        "PDSERVE_KV_DTYPE": args.kv_dtype,
         "PDSERVE_KV_PREFILL_PAGES": str(pages), "PDSERVE_KV_DECODE_PAGES": str(pages),
         "PDSERVE_PREFILL_CHUNK_TOKENS": str(args.chunk_tokens),
         # Random prompts share nothing; without the cache the warm-up's pages go back to the pool.
@@ -107,15 +111,13 @@ async def one_prompt(address: str, prompt: list[int], output_tokens: int, timeou
         return await generate_or_raise(generation_pb2_grpc.GenerationStub(channel), prompt, output_tokens, timeout_s)
 
 
-def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, tflops: float) -> dict:
+def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, rates: dict) -> dict:
     """The TTFT beside the bound, and the bound's two parts: at 512K the causal attention is most of it."""
-    flops = prefill_flops(model, tokens)
-    bound_s = flops / (tflops * 1e12)
-    return {"ttft_s": record.ttft_s, "stage_timings_s": record.timings, "flops": flops, "bound_s": bound_s,
-            "linear_bound_s": linear_flops(model, tokens) / (tflops * 1e12),
-            "attention_bound_s": attention_flops(model, tokens) / (tflops * 1e12),
-            "ttft_over_bound": record.ttft_s / bound_s,
-            "prefill_compute_over_bound": record.timings["prefill_compute_s"] / bound_s if record.timings else None}
+    bound = prefill_bound_s(model, tokens, rates["matmul_tflops"], rates.get("fp8_matmul_tflops"))
+    return {"ttft_s": record.ttft_s, "stage_timings_s": record.timings, "flops": prefill_flops(model, tokens), **bound,
+            "ttft_over_bound": record.ttft_s / bound["bound_s"],
+            "prefill_compute_over_bound": (record.timings["prefill_compute_s"] / bound["bound_s"]
+                                           if record.timings else None)}
 
 
 def decode_report(record: StreamRecord, model: PagedLlama, tokens: int, kv_bytes: int, bandwidth_gbs: float) -> dict:
@@ -135,7 +137,7 @@ def decode_report(record: StreamRecord, model: PagedLlama, tokens: int, kv_bytes
 
 
 def run(args) -> dict:
-    rates = device_rates(args.device)
+    rates = device_rates(args.device, args.quantization)
     print(f"rates: {rates}", file=sys.stderr)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     page_size = KvConfig.page_size
@@ -144,7 +146,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR,
                                                               start_timeout_s=args.start_timeout_s,
                                                               **stack_settings(args, pages)) as stack:
-        model = model_shape(resolve_checkpoint(args.model, MODEL_CACHE_DIR), dtype)
+        model = model_shape(resolve_checkpoint(args.model, MODEL_CACHE_DIR), dtype, args.quantization)
         vocab = model.vocab_size
         if args.warmup_tokens:
             warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
@@ -154,10 +156,10 @@ def run(args) -> dict:
     kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
     return {
         "model": args.model, "device": args.device, "tokens": args.tokens, "output_tokens": record.tokens,
-        "kv_dtype": args.kv_dtype, "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
+        "quantization": args.quantization, "kv_dtype": args.kv_dtype, "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
         "pool_pages": pages, "page_size": page_size, "pool_gb": pages * page_size * kv_bytes / 1e9,
         "rates": rates,
-        "prefill": prefill_report(record, model, args.tokens, rates["matmul_tflops"]),
+        "prefill": prefill_report(record, model, args.tokens, rates),
         "decode": decode_report(record, model, args.tokens, kv_bytes, rates["copy_bandwidth_gbs"]),
     }
 
@@ -169,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=131072, help="prompt tokens")
     parser.add_argument("--output-tokens", type=int, default=64, help="generated, EOS ignored")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "int8", "float8_e4m3"))
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="model.quantization")
     parser.add_argument("--chunk-tokens", type=int, default=32768, help="prefill.chunk_tokens; 0: whole")
     parser.add_argument("--kv-pages", type=int, default=0,
                         help="pages of each pool; 0: just the prompt plus its output")

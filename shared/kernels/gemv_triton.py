@@ -15,6 +15,14 @@ sums and a second kernel adds them and rounds once. The caller names the config:
 shared/model/linear_choice.py times every usable one per shape, as a decode step runs them, and
 keeps the fastest. Nothing is read on the host, so a call can be captured in a CUDA graph once its
 config has been compiled.
+
+FP8 weights (weight-only quantization, W8A16): weight float8_e4m3fn [N, K] with weight_scale
+float32 [N], one scale per output channel, and x in any of SUPPORTED_DTYPES; out = x @ (weight *
+weight_scale[:, None])^T, accumulated in fp32 and rounded once to x's dtype. The weight is half the
+bytes of bf16, streamed by the same configs (the multiply-add ones in 16-byte loads of 16 fp8
+elements). Tiles widen in registers, exactly (e4m3 fits in bf16, fp16 and fp32): to fp32 for the
+multiply-add, to x's dtype for tl.dot. The scale multiplies each program's fp32 sums once, after
+its K loop.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from shared.kernels.triton_support import pdl_options, require_triton, tl, trito
 
 MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The weight dtype that comes with a per-output-channel weight_scale.
+FP8_DTYPE = torch.float8_e4m3fn
 # Split K only while the row blocks alone give fewer programs than this per SM.
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 # Columns per program of the split-K sum.
@@ -58,10 +68,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, out_ptr, partial_ptr,
+        x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr,
         M, N, K,
         stride_xm, stride_wn, stride_om,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -79,6 +89,9 @@ if triton is not None:
         x_rows = x_ptr + m[:, None] * stride_xm
         row_mask = rows[:, None] < N
         m_mask = m[:, None] < M
+        if HAS_SCALE:
+            # Loaded before the loop, so its latency hides under the weight stream.
+            scale = tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
@@ -92,11 +105,21 @@ if triton is not None:
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)
             else:
+                if HAS_SCALE:
+                    # fp8 widens to x's dtype for the MMA, exactly, by way of fp32: straight to bf16
+                    # compiles to one slow F2F per element (fp16 -> bf16) on sm_90, through fp32 to
+                    # packed conversions and adds on the FMA pipe.
+                    w = w.to(tl.float32).to(x.dtype)
                 acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PRECISION)
         if BLOCK_M == 1:
             result = tl.sum(acc, axis=1)[:, None]
         else:
             result = acc
+        if HAS_SCALE:
+            # With split-K each partial is scaled here, before the sum: the scale is per output, so
+            # the scaled partials add up to the scaled sum (to fp32 rounding), and the sum kernel
+            # stays one kernel for both weight formats, with no scale to read.
+            result = result * scale[:, None]
         # result is [BLOCK_N, BLOCK_M]: out transposed.
         out_mask = row_mask & (m[None, :] < M)
         if SPLIT_K == 1:
@@ -134,32 +157,52 @@ def usable_configs(rows: int, n: int, k: int, sms: int) -> list:
     return [config for config in CONFIGS if usable(config)]
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, same
-    float dtype, contiguous last dims."""
+def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    return (weight_scale.dtype == torch.float32 and weight_scale.shape == weight.shape[:1]
+            and weight_scale.is_contiguous() and weight_scale.device == weight.device)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
+    """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, contiguous
+    last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale."""
+    if weight_scale is None:
+        weight_fits = weight.dtype == x.dtype
+    else:
+        weight_fits = weight.dtype == FP8_DTYPE and _scale_fits(weight, weight_scale)
     return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
             and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
-            and x.dtype == weight.dtype and x.dtype in SUPPORTED_DTYPES
+            and weight_fits and x.dtype in SUPPORTED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {x.shape[0]}")
-    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x {x.dtype} and weight {weight.dtype} must be one of {SUPPORTED_DTYPES}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x {x.dtype} must be one of {SUPPORTED_DTYPES}")
+    if weight_scale is None:
+        if weight.dtype == FP8_DTYPE:
+            raise ValueError(f"a {FP8_DTYPE} weight needs its weight_scale, float32 [N]")
+        if weight.dtype != x.dtype:
+            raise ValueError(f"weight {weight.dtype} must be x's {x.dtype}, or {FP8_DTYPE} with a weight_scale")
+    elif weight.dtype != FP8_DTYPE:
+        raise ValueError(f"a weight_scale goes with a {FP8_DTYPE} weight, not {weight.dtype}")
+    elif not _scale_fits(weight, weight_scale):
+        raise ValueError(f"weight_scale {weight_scale.dtype} {tuple(weight_scale.shape)} on {weight_scale.device} "
+                         f"must be float32 [{weight.shape[0]}], contiguous, on {weight.device}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x strides {x.stride()} and weight strides {weight.stride()} need a contiguous last dim")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major, with one of CONFIGS: a new
-    [M, N] in x's dtype. A config's first call compiles it, so it must not come in a CUDA-graph
-    capture."""
+    [M, N] in x's dtype. The weight is in x's dtype, or in FP8_DTYPE with weight_scale float32 [N]
+    (then F.linear(x, weight * weight_scale[:, None])). A config's first call compiles it, so it
+    must not come in a CUDA-graph capture."""
     require_triton("gemv")
-    _check(x, weight)
+    _check(x, weight, weight_scale)
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -174,9 +217,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
     launch = pdl_options(x.device)
-    _gemv_kernel[grid](x, weight, out, partial, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                       DOT_PRECISION=precision, **config.kwargs, num_warps=config.num_warps,
-                       num_stages=config.num_stages, **launch)
+    # Without a scale, scale_ptr is None and HAS_SCALE False: the kernel compiles as for the plain weight.
+    _gemv_kernel[grid](x, weight, weight_scale, out, partial, rows, n, k, x.stride(0), weight.stride(0),
+                       out.stride(0), DOT_PRECISION=precision, HAS_SCALE=weight_scale is not None,
+                       **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages, **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)

@@ -43,12 +43,14 @@ def checkpoint_fingerprint(checkpoint: Path | str) -> tuple[str, str, str]:
     return config_sha, weights.hexdigest(), tokenizer.hexdigest()
 
 
-def model_fingerprint(checkpoint: Path | str, dtype: str, num_layers: int, num_kv_heads: int,
+def model_fingerprint(checkpoint: Path | str, dtype: str, quantization: str, num_layers: int, num_kv_heads: int,
                       head_dim: int, page_size: int, kv_dtype: str) -> ModelFingerprint:
-    """dtype: the activations'; kv_dtype: the KV cache's format (kv.dtype)."""
+    """dtype: the activations'; quantization: the weights' ("none", "fp8"), part of the dtype field,
+    since workers of different weights compute different KV; kv_dtype: the KV cache's format (kv.dtype)."""
     kv_layout = (f"layers={num_layers} kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
                  f"kv_dtype={kv_dtype}")
-    return ModelFingerprint(*checkpoint_fingerprint(checkpoint), dtype, kv_layout)
+    weights = "" if quantization == "none" else f" weights={quantization}"
+    return ModelFingerprint(*checkpoint_fingerprint(checkpoint), dtype + weights, kv_layout)
 
 
 def differences(ours: ModelFingerprint, theirs: ModelFingerprint) -> list[str]:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels import gemv_triton
+from shared.model.quantization import fp8_linear
 
 log = structlog.get_logger()
 
@@ -93,7 +94,13 @@ class LinearChooser:
         # (services/decode/cuda_graphs.py): their shapes take it even where cuBLAS was chosen.
         self.gemv_rows: set[int] = set()
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+        """scale: an FP8 weight's per-channel scale. Such a weight takes the GEMV wherever it can
+        (cuBLAS has no product of bf16 activations with FP8 weights), its fastest config; other
+        shapes take shared/model/quantization.fp8_linear."""
+        if scale is not None:
+            return self._apply_fp8(x, weight, bias, scale)
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
             return F.linear(x, weight, bias)
         choice = self.choice(x, weight)
@@ -101,12 +108,20 @@ class LinearChooser:
             return gemv_triton.gemv(x, weight, choice.gemv_config)
         return F.linear(x, weight)
 
+    def _apply_fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   scale: torch.Tensor) -> torch.Tensor:
+        choice = self.choice(x, weight, scale) if gemv_triton.supports(x, weight, scale) else None
+        if choice is None:
+            return fp8_linear(x, weight, scale, bias)
+        out = gemv_triton.gemv(x, weight, choice.gemv_config, weight_scale=scale)
+        return out if bias is None else out + bias
+
     def uses_cublas(self, rows: int) -> bool:
         """Whether some shape chosen for this many rows takes cuBLAS (in mode "auto", only then can
         forcing the GEMV on them change a step)."""
         return self.mode == "auto" and any(not c.use_gemv for c in self.choices.values() if c.rows == rows)
 
-    def choice(self, x: torch.Tensor, weight: torch.Tensor) -> Choice | None:
+    def choice(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Choice | None:
         """The choice for this shape, timed at its first call; None when that call is in a capture."""
         key = (x.shape[0], *weight.shape, weight.dtype)
         choice = self.choices.get(key)
@@ -115,18 +130,19 @@ class LinearChooser:
                 log.warning("linear shape first seen in a CUDA graph capture, using cuBLAS", rows=x.shape[0],
                             n=weight.shape[0], k=weight.shape[1])
                 return None
-            choice = self.choices[key] = self._time_all(x, weight)
+            choice = self.choices[key] = self._time_all(x, weight, scale)
         return choice
 
-    def _time_all(self, x: torch.Tensor, weight: torch.Tensor) -> Choice:
+    def _time_all(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
         configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(x.device.index))
-        candidates = {"cublas": lambda w: F.linear(x, w)}
+        candidates = {"cublas": lambda w: F.linear(x, w)} if scale is None else {}
         for i, config in enumerate(configs):
-            candidates[i] = functools.partial(gemv_triton.gemv, x, config=config)
+            candidates[i] = functools.partial(gemv_triton.gemv, x, config=config, weight_scale=scale)
         times = time_per_call_ms(candidates, weight)
         best = fastest_config(configs, [times[i] for i in range(len(configs))])
-        choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), times["cublas"], times[best], configs[best],
-                        use_gemv=prefer_gemv(times["cublas"], times[best], self.mode))
+        cublas_ms = times.get("cublas", math.nan)
+        choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
+                        use_gemv=scale is not None or prefer_gemv(cublas_ms, times[best], self.mode))
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
                  cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
                  gemv_config=str(configs[best].kwargs),

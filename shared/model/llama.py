@@ -8,7 +8,6 @@ fused into one matmul each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -20,75 +19,17 @@ from shared.kernels import fused_triton, kv_quant
 from shared.kv.pool import PagedKvPool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
+from shared.model.loader import config_dict
+from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.linear_choice import LinearChooser
+from shared.model.quantization import fp8_linear
+from shared.model.weights import LayerWeights, LlamaWeights
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-
-@dataclass
-class LlamaWeights:
-    """Every tensor the forward pass reads, by name: what a process exports to share its weights."""
-    embed: torch.Tensor
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor
-    cos: torch.Tensor  # RoPE tables [max_context, head_dim], attention scaling included
-    sin: torch.Tensor
-    layers: list[LayerWeights]
-
-    @classmethod
-    def from_hf(cls, hf_model, max_context: int) -> "LlamaWeights":
-        body = hf_model.model
-        rotary = body.rotary_emb
-        positions = torch.arange(max_context, dtype=torch.float32, device=rotary.inv_freq.device)
-        freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        scaling = getattr(rotary, "attention_scaling", 1.0)
-        dtype = body.embed_tokens.weight.dtype
-        return cls(
-            embed=body.embed_tokens.weight.detach(),
-            final_norm=body.norm.weight.detach(),
-            lm_head=hf_model.lm_head.weight.detach(),
-            cos=(angles.cos() * scaling).to(dtype),
-            sin=(angles.sin() * scaling).to(dtype),
-            layers=[cls._layer(layer) for layer in body.layers],
-        )
-
-    @staticmethod
-    def _layer(layer) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-            qkv_bias=torch.cat(biases).detach() if biases[0] is not None else None,
-            o_proj=attn.o_proj.weight.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-            down=mlp.down_proj.weight.detach(),
-        )
-
-    def named(self) -> dict[str, torch.Tensor]:
-        tensors = {name: getattr(self, name) for name in ("embed", "final_norm", "lm_head", "cos", "sin")}
-        for i, layer in enumerate(self.layers):
-            for f in fields(LayerWeights):
-                if getattr(layer, f.name) is not None:
-                    tensors[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
-        return tensors
-
-    @classmethod
-    def from_named(cls, tensors: dict[str, torch.Tensor], num_layers: int) -> "LlamaWeights":
-        layers = [LayerWeights(**{f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
-                  for i in range(num_layers)]
-        return cls(*(tensors[name] for name in ("embed", "final_norm", "lm_head", "cos", "sin")), layers)
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or its FP8 form where the weight has a scale."""
+    return F.linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
 
 
 class PagedLlama:
@@ -136,7 +77,7 @@ class PagedLlama:
         return x * cos + rotated * sin
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
-        qkv = F.linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+        qkv = linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_scale, layer.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = self._rope(q.view(-1, self.num_heads, self.head_dim), positions)
@@ -144,8 +85,8 @@ class PagedLlama:
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, layer.down, layer.down_scale)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
@@ -195,7 +136,7 @@ class PagedLlama:
         pool.write(index, *slots, k, v)
         staged.write(begin, k, v)
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        x.copy_(self._mlp_block(layer, x + F.linear(out.reshape(len(x), -1), layer.o_proj)))
+        x.copy_(self._mlp_block(layer, x + linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale)))
 
     def _layer_chunk_fused(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
                            positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
@@ -207,16 +148,17 @@ class PagedLlama:
         q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
         staged.v[begin:end] = v
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        attn = F.linear(out.reshape(len(x), -1), layer.o_proj)
+        attn = linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale)
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
-        mlp = F.linear(fused_triton.silu_and_mul(F.linear(hidden, layer.gate_up)), layer.down)
+        gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
+        mlp = linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale)
         torch.add(residual, mlp, out=x)
 
     def _fused_qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
                    index: int, pages: torch.Tensor, offsets: torch.Tensor, k_out: torch.Tensor):
         """A chunk's q and v as _qkv computes them, its rotated k written to k_out; K and V go to the
         pages (quantized where they are) in the same Triton kernel as the RoPE, as the decode writes them."""
-        qkv = F.linear(fused_triton.rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_bias)
+        qkv = linear(fused_triton.rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_scale, layer.qkv_bias)
         q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index),
                                        pages, offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                        pool.key_scale(index), pool.value_scale(index), k_out)
@@ -239,7 +181,7 @@ class PagedLlama:
             pool.write(i, pages, offsets, k, v)
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i))
-            x = x + F.linear(out.reshape(len(token_ids), -1), layer.o_proj)
+            x = x + linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale)
             x = self._mlp_block(layer, x)
         return self._logits(x)
 
@@ -254,25 +196,39 @@ class PagedLlama:
         hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for i, layer in enumerate(self.layers):
-            qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias)
+            qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale)
             q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(i), pool.value(i), pages,
                                            offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                            pool.key_scale(i), pool.value_scale(i))
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i), self.fp8_query)
-            attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj)
+            attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj, scale=layer.o_proj_scale)
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
-            gate_up = self.linears.apply(hidden, layer.gate_up)
-            mlp = self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down)
+            gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
+            mlp = self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down, scale=layer.down_scale)
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
         return self.linears.apply(hidden, self.lm_head).float()
 
 
-def load_paged_llama(checkpoint: Path | str, dtype: str, device: str) -> PagedLlama:
-    """From a checkpoint folder, or a `random:<preset>` model built on the device."""
+def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantization: str = "none") -> PagedLlama:
+    """From a checkpoint folder, or a `random:<preset>` model built on the device. quantization
+    "fp8" (model.quantization) quantizes the linear layers' weights (shared/model/quantization.py);
+    a checkpoint stored in FP8 loads as it is stored, whatever quantization says."""
+    torch_dtype = getattr(torch, dtype)
     if presets.is_random(str(checkpoint)):
-        return PagedLlama.from_hf(presets.random_hf_model(str(checkpoint), getattr(torch, dtype), device), device)
-    from transformers import AutoModelForCausalLM
+        if quantization == "fp8":
+            config = presets.preset_config(str(checkpoint))
+            return PagedLlama(config, random_fp8_weights(config, torch_dtype, device), device)
+        return PagedLlama.from_hf(presets.random_hf_model(str(checkpoint), torch_dtype, device), device)
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype), device_map=device)
-    return PagedLlama.from_hf(hf_model.eval(), device)
+    if is_fp8_checkpoint(config_dict(checkpoint)):
+        config = AutoConfig.from_pretrained(str(checkpoint))
+        return PagedLlama(config, fp8_checkpoint_weights(Path(checkpoint), config, torch_dtype, device), device)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch_dtype, device_map=device)
+    model = PagedLlama.from_hf(hf_model.eval(), device)
+    if quantization == "fp8":
+        del hf_model  # its copies of o_proj and down go as each is quantized
+        for layer in model.layers:
+            layer.quantize_fp8()
+    return model

@@ -2,7 +2,8 @@
 
 `model.path = "random:llama-3.1-8b"` builds Llama-3.1-8B's architecture (32 layers, 32 query and
 8 KV heads of 128, 14336 MLP, 128256 vocab) with random weights in the configured dtype, straight
-on the device. Speed depends on shapes, not on the values of the weights.
+on the device (with model.quantization fp8, each linear weight quantized as it is drawn:
+shared/model/fp8_weights.py). Speed depends on shapes, not on the values of the weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ LLAMA_3_1_8B = dict(
 
 PRESETS = {
     "llama-3.1-8b": LLAMA_3_1_8B,
+    # Llama-3.1-70B's shape: 140 GB in bf16, more than one H200; 70 GB with model.quantization fp8.
+    "llama-3.1-70b": {**LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64},
     # The same shape with a 512K context, for one 512K-token prompt (loadtest/stack/bench_long_prompt.py).
     # RoPE keeps Llama 3.1's scaling, stretched 64 times instead of 8 over the 8192 original
     # positions, so that every position up to 524288 lies within the scaled range.

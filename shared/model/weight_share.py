@@ -22,7 +22,8 @@ import torch
 
 from shared.control.dispatch import FatalError
 from shared.kernels.device import device_uuid
-from shared.model.llama import LlamaWeights, PagedLlama
+from shared.model.llama import PagedLlama
+from shared.model.weights import LlamaWeights
 from shared.runtime.runtime_dir import write_private_file
 
 

@@ -66,9 +66,10 @@ def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, Fini
         model, owner_pid = map_weights(hf_config, path, config.model.device, WEIGHTS_WAIT_S)
         log.info("mapped shared weights", prefill=weights_from, owner_pid=owner_pid)
     else:
-        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device)
-    log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers)
-    fingerprint = model_fingerprint(checkpoint, str(model.embed.dtype).removeprefix("torch."),
+        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device, config.model.quantization)
+    quantization = model.weights.quantization
+    log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers, quantization=quantization)
+    fingerprint = model_fingerprint(checkpoint, str(model.embed.dtype).removeprefix("torch."), quantization,
                                     model.num_layers, model.num_kv_heads, model.head_dim, config.kv.page_size,
                                     config.kv.dtype)
     return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint

@@ -1,0 +1,103 @@
+"""FP8 weights against bf16 on one GPU, in one run (JSON on stdout).
+
+    python -m loadtest.engine.bench_fp8_weights [--model random:llama-3.1-8b] [--quantizations none,fp8]
+                                                [--batches 1,64] [--context 1024] [--prefill 8192] [--out FILE]
+
+Measured in the same run: the copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm,
+a scale per row and per column, 8192^3). Each quantization (model.quantization) of the model then
+runs as the workers run it:
+- the decode step, one CUDA graph replay (services/decode/cuda_graphs.py), at each batch size with
+  every request at --context tokens: p50 of 100, beside its floor, the weight and KV bytes it reads
+  at the copy bandwidth;
+- the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
+  FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
+  attention's at the bf16 rate.
+The comparison the issue asks for closes the report: FP8 against bf16 for the batch-1 step, the
+largest batch's tokens per second and the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from loadtest.lib.decode_batch import decode_batch
+from loadtest.lib.device_rates import copy_bandwidth_gbs, cuda_time_ms, fp8_matmul_tflops, matmul_tflops
+from loadtest.lib.model_costs import kv_token_bytes, prefill_bound_s, weight_bytes_per_step
+from loadtest.lib.percentiles import quantile
+from loadtest.lib.report import emit
+from services.decode.cuda_graphs import GraphedDecode
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool
+from shared.model.llama import PagedLlama, load_paged_llama
+
+PAGE_SIZE = 16
+
+
+def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float) -> list[dict]:
+    pages = max(batches) * pages_for(context + PAGE_SIZE, PAGE_SIZE) + 1
+    pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE), "cuda")
+    weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, "bfloat16", PAGE_SIZE)
+    results = []
+    for batch in batches:
+        allocator = PageAllocator(pages)
+        graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], pages_for(context + PAGE_SIZE, PAGE_SIZE),
+                               [batch])
+        inputs = decode_batch(allocator, [context] * batch, PAGE_SIZE, "cuda").inputs
+        step_ms = quantile(cuda_time_ms(lambda: graphs.step(inputs), 100), 0.5)
+        floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
+        results.append({"batch": batch, "context": context, "step_ms_p50": step_ms, "floor_ms": floor_ms,
+                        "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
+                        "weight_gb_per_step": weights / 1e9})
+        del graphs
+    return results
+
+
+def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops: float) -> dict:
+    pool, _ = allocate_local_pool(model.kv_layout(pages_for(tokens, PAGE_SIZE), PAGE_SIZE), "cuda")
+    ids = torch.randint(0, model.vocab_size, (tokens,)).tolist()
+    prompt_ms = quantile(cuda_time_ms(lambda: model.prefill(ids, pool, list(range(pages_for(tokens, PAGE_SIZE)))),
+                                      3, 1), 0.5)
+    bound = prefill_bound_s(model, tokens, bf16_tflops, fp8_tflops)
+    return {"tokens": tokens, "ms_p50": prompt_ms, "bound_ms": bound["bound_s"] * 1e3,
+            "ratio_to_bound": prompt_ms / (bound["bound_s"] * 1e3), **bound}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_fp8_weights")
+    parser.add_argument("--model", default="random:llama-3.1-8b")
+    parser.add_argument("--quantizations", default="none,fp8")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prefill", type=int, default=8192, help="prompt tokens; 0 skips the prefill")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth, bf16_rate, fp8_rate = copy_bandwidth_gbs(), matmul_tflops(), fp8_matmul_tflops()
+    report = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_gbs": bandwidth, "bf16_matmul_tflops": bf16_rate, "fp8_matmul_tflops": fp8_rate, "runs": {}}
+    for quantization in args.quantizations.split(","):
+        model = load_paged_llama(args.model, "bfloat16", "cuda", quantization)
+        run = {"memory_gib": torch.cuda.memory_allocated() / (1 << 30),
+               "decode": bench_decode(model, batches, args.context, bandwidth)}
+        if args.prefill:
+            run["prefill"] = bench_prefill(model, args.prefill, bf16_rate, fp8_rate)
+        report["runs"][quantization] = run
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    runs = report["runs"]
+    if {"none", "fp8"} <= set(runs):
+        ours, theirs = runs["fp8"], runs["none"]
+        report["fp8_against_bf16"] = {
+            **{f"batch_{a['batch']}_step": a["step_ms_p50"] / b["step_ms_p50"]
+               for a, b in zip(ours["decode"], theirs["decode"])},
+            "largest_batch_tokens_per_s": ours["decode"][-1]["tokens_per_s"] / theirs["decode"][-1]["tokens_per_s"],
+            **({"prefill": ours["prefill"]["ms_p50"] / theirs["prefill"]["ms_p50"]} if args.prefill else {})}
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Per-token FP8 quantization of activations in one pass, in Triton: each row's absolute maximum,
+its scale (that maximum over 448) and the row in float8_e4m3, for torch._scaled_mm.
+
+The same steps in PyTorch take five passes over the activations (abs, amax, divide, clamp, cast):
+at a prompt's 8K rows that is most of what FP8 saves on a small matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kernels.triton_support import require_triton, tl, triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaNs
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, FP8_MAX: tl.constexpr,
+                              MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_K)
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        quantized = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(out_ptr + row * stride_out + cols, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3 [M, K], float32 scale [M, 1]) of x [M, K] with a contiguous last dim."""
+    require_triton("quantize_rows")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] with a contiguous last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+    rows, k = x.shape
+    out = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), FP8_MAX=FP8_MAX,
+                                       MIN_SCALE=MIN_SCALE, BLOCK_K=block, num_warps=8 if block >= 4096 else 4)
+    return out, scale

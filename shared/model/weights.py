@@ -1,0 +1,103 @@
+"""The tensors the Llama-family forward pass reads (shared/model/llama.py), by layer and by name:
+what a model is built from, quantized in, and shared between processes as (weight_share.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from shared.model.quantization import quantize_weight
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    # FP8 weights' scales per output channel (shared/model/quantization.py); None in the model's dtype.
+    qkv_scale: torch.Tensor | None = None
+    o_proj_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    def quantize_fp8(self) -> None:
+        """Replaces each linear weight by its FP8 form and scale, freeing the original."""
+        for name in QUANTIZED:
+            weight, scale = quantize_weight(getattr(self, name))
+            setattr(self, name, weight)
+            setattr(self, f"{name}_scale", scale)
+
+
+QUANTIZED = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights; embed and lm_head stay
+
+
+@dataclass
+class LlamaWeights:
+    """Every tensor the forward pass reads, by name: what a process exports to share its weights."""
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    cos: torch.Tensor  # RoPE tables [max_context, head_dim], attention scaling included
+    sin: torch.Tensor
+    layers: list[LayerWeights]
+
+    @classmethod
+    def from_hf(cls, hf_model, max_context: int) -> "LlamaWeights":
+        body = hf_model.model
+        dtype = body.embed_tokens.weight.dtype
+        cos, sin = rope_tables(body.rotary_emb, max_context, dtype)
+        return cls(
+            embed=body.embed_tokens.weight.detach(),
+            final_norm=body.norm.weight.detach(),
+            lm_head=hf_model.lm_head.weight.detach(),
+            cos=cos,
+            sin=sin,
+            layers=[cls._layer(layer) for layer in body.layers],
+        )
+
+    @property
+    def quantization(self) -> str:
+        return "fp8" if self.layers[0].qkv_scale is not None else "none"
+
+    @staticmethod
+    def _layer(layer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+            qkv_bias=torch.cat(biases).detach() if biases[0] is not None else None,
+            o_proj=attn.o_proj.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+            down=mlp.down_proj.weight.detach(),
+        )
+
+    def named(self) -> dict[str, torch.Tensor]:
+        tensors = {name: getattr(self, name) for name in ("embed", "final_norm", "lm_head", "cos", "sin")}
+        for i, layer in enumerate(self.layers):
+            for f in fields(LayerWeights):
+                if getattr(layer, f.name) is not None:
+                    tensors[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+        return tensors
+
+    @classmethod
+    def from_named(cls, tensors: dict[str, torch.Tensor], num_layers: int) -> "LlamaWeights":
+        layers = [LayerWeights(**{f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
+                  for i in range(num_layers)]
+        return cls(*(tensors[name] for name in ("embed", "final_norm", "lm_head", "cos", "sin")), layers)
+
+
+def rope_tables(rotary, max_context: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_context, head_dim] from transformers' rotary embedding module, its attention
+    scaling included."""
+    positions = torch.arange(max_context, dtype=torch.float32, device=rotary.inv_freq.device)
+    freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(rotary, "attention_scaling", 1.0)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
