@@ -306,7 +306,7 @@ def test_a_worker_without_a_router_gives_up_after_the_register_timeout(checkpoin
 def _fingerprint(checkpoint) -> ModelFingerprint:
     """What the stack's real workers would register with (float32 on the CPU)."""
     hf_config = load_hf_config(checkpoint)
-    return model_fingerprint(checkpoint, "float32", hf_config.num_hidden_layers,
+    return model_fingerprint(checkpoint, "float32", "none", hf_config.num_hidden_layers,
                              hf_config.num_key_value_heads, hf_config.head_dim, 16, "bfloat16")
 
 
