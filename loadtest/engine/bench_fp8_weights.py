@@ -1,7 +1,8 @@
 """FP8 weights against bf16 on one GPU, in one run (JSON on stdout).
 
     python -m loadtest.engine.bench_fp8_weights [--model random:llama-3.1-8b] [--quantizations none,fp8]
-                                                [--batches 1,64] [--context 1024] [--prefill 8192] [--out FILE]
+                                                [--batches 1,64] [--context 1024] [--prefill 8192]
+                                                [--linear-rows 1,64] [--out FILE]
 
 Measured in the same run: the copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm,
 a scale per row and per column, 8192^3). Each quantization (model.quantization) of the model then
@@ -11,7 +12,11 @@ runs as the workers run it:
   at the copy bandwidth;
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
-  attention's at the bf16 rate.
+  attention's at the bf16 rate;
+- each matmul of a layer and the lm_head alone at --linear-rows rows, as the decode step runs it
+  (PagedLlama.linears, timed as shared/model/linear_choice.py times: graphed, the weight cold in
+  L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
+  its two parts, the activations' quantization and torch._scaled_mm.
 The comparison the issue asks for closes the report: FP8 against bf16 for the batch-1 step, the
 largest batch's tokens per second and the prefill.
 """
@@ -31,7 +36,10 @@ from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
 from shared.kv.pages import PageAllocator, pages_for
 from shared.kv.pool import allocate_local_pool
+from shared.model.linear_choice import time_per_call_ms
 from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token
+from shared.model.weights import QUANTIZED
 
 PAGE_SIZE = 16
 
@@ -65,6 +73,30 @@ def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops
             "ratio_to_bound": prompt_ms / (bound["bound_s"] * 1e3), **bound}
 
 
+def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> list[dict]:
+    layer = model.layers[0]
+    weights = {name: (getattr(layer, name), getattr(layer, f"{name}_scale")) for name in QUANTIZED}
+    weights["lm_head"] = (model.lm_head, None)
+    results = []
+    for count in rows:
+        for name, (weight, scale) in weights.items():
+            x = torch.randn(count, weight.shape[1], dtype=model.embed.dtype, device="cuda")
+            candidates = {"linear": lambda w, x=x, scale=scale: model.linears.apply(x, w, scale=scale)}
+            if scale is not None and count > WEIGHT_ONLY_ROWS:
+                x_fp8, x_scale = quantize_per_token(x)
+                candidates["quantize"] = lambda w, x=x: quantize_per_token(x)
+                for fast in (False, True):  # fast accumulation: Hopper's FP8 MMA without its periodic fp32 promotion
+                    candidates["scaled_mm_fast_accum" if fast else "scaled_mm"] = (
+                        lambda w, x_fp8=x_fp8, x_scale=x_scale, scale=scale, fast=fast: torch._scaled_mm(  # noqa: SLF001
+                            x_fp8, w.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype, use_fast_accum=fast))
+            times = time_per_call_ms(candidates, weight)
+            gbs = weight.numel() * weight.element_size() / (times["linear"] / 1e3) / 1e9
+            results.append({"weight": name, "rows": count, "n": weight.shape[0], "k": weight.shape[1],
+                            **{f"{part}_us": ms * 1e3 for part, ms in times.items()},
+                            "weight_gbs": gbs, "of_copy": gbs / bandwidth_gbs})
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.engine.bench_fp8_weights")
     parser.add_argument("--model", default="random:llama-3.1-8b")
@@ -72,6 +104,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--prefill", type=int, default=8192, help="prompt tokens; 0 skips the prefill")
+    parser.add_argument("--linear-rows", default="1,64", help="rows of the per-matmul timing; empty skips it")
     parser.add_argument("--out")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -84,6 +117,8 @@ def main() -> None:
                "decode": bench_decode(model, batches, args.context, bandwidth)}
         if args.prefill:
             run["prefill"] = bench_prefill(model, args.prefill, bf16_rate, fp8_rate)
+        if args.linear_rows:
+            run["linears"] = bench_linears(model, [int(r) for r in args.linear_rows.split(",")], bandwidth)
         report["runs"][quantization] = run
         del model
         gc.collect()

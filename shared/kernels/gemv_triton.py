@@ -58,6 +58,10 @@ if triton is not None:
         _config(1, 4, 1024, 1, 4, 3),
         _config(1, 8, 512, 1, 4, 3),
         _config(1, 16, 512, 1, 8, 3),
+        # The same bytes per load for FP8 weights (one byte an element): twice the columns.
+        _config(1, 2, 2048, 1, 4, 3),
+        _config(1, 4, 4096, 1, 4, 3),
+        _config(1, 8, 1024, 1, 4, 3),
         # Tensor cores: 64 rows a block is one Hopper warpgroup MMA; split-K for the small N.
         _config(16, 64, 128, 1, 4, 4),
         _config(16, 128, 128, 1, 4, 4),
