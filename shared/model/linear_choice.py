@@ -127,8 +127,8 @@ class LinearChooser:
         choice = self.choices.get(key)
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
-                log.warning("linear shape first seen in a CUDA graph capture, using cuBLAS", rows=x.shape[0],
-                            n=weight.shape[0], k=weight.shape[1])
+                log.warning("linear shape first seen in a CUDA graph capture, not timed: cuBLAS, or for an FP8 "
+                            "weight quantization.fp8_linear", rows=x.shape[0], n=weight.shape[0], k=weight.shape[1])
                 return None
             choice = self.choices[key] = self._time_all(x, weight, scale)
         return choice
