@@ -17,6 +17,7 @@ import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.config import Config
+from tests.connections import closed_by_peer
 
 TIMEOUT_S = 30.0
 IDLE_CONNECTIONS = 20
@@ -91,7 +92,7 @@ class HostileClient:
             return "unreachable"
         try:
             wait_s = self.config.router.connection_idle_timeout_s + TIMEOUT_S
-            return "closed by the router" if all(_closed_by_peer(sock, wait_s) for sock in idle) else "left open"
+            return "closed by the router" if all(closed_by_peer(sock, wait_s) for sock in idle) else "left open"
         finally:
             for sock in idle:
                 sock.close()
@@ -111,16 +112,3 @@ class HostileClient:
             except grpc.RpcError as error:
                 return error.code().name
         return "served"
-
-
-def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
-    """Reads what the router sends (gRPC's server preface) until it closes the connection."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.config import RouterConfig
 from tests.conftest import CACHE_DIR
+from tests.connections import closed_by_peer
 from tests.stack import ServiceStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -77,19 +78,6 @@ def _health(stack) -> int:
     return health_pb2_grpc.HealthStub(stack.channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
 
 
-def _closed_by_router(sock: socket.socket) -> bool:
-    """Reads what the router sends until it closes the connection; False if still open after WAIT_S."""
-    sock.settimeout(WAIT_S)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def _tokenized_tokens(stack) -> float:
     text = http.client.HTTPConnection(stack.env["PDSERVE_ROUTER_METRICS_ADDRESS"], timeout=30)
     text.request("GET", "/metrics")
@@ -138,7 +126,7 @@ def test_idle_connections_stop_neither_health_nor_a_request_and_are_closed(one_c
             "model": "embedded", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}))
         assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
         assert _health(stack) == health_pb2.HealthCheckResponse.SERVING
-        assert [_closed_by_router(sock) for sock in idle] == [True] * len(idle)
+        assert [closed_by_peer(sock, WAIT_S) for sock in idle] == [True] * len(idle)
     finally:
         for sock in idle:
             sock.close()

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from services.router.api.http_server import HttpServer
 from shared.config import RouterConfig
+from tests.connections import closed_by_peer
 from tests.stack import free_port
 
 WAIT_S = 30.0  # for what the server does within its configured timeouts, on a loaded machine
@@ -90,18 +91,6 @@ def _connect(server: HttpServer, receive_buffer: int | None = None) -> socket.so
     return sock
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    """Reads what the server sent until it closes the connection; False if it is still open after WAIT_S."""
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def _get(server: HttpServer, path: str) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection(server.address, timeout=WAIT_S)
     try:
@@ -120,7 +109,7 @@ def test_a_connection_that_sends_nothing_or_half_a_head_is_closed(serve):
     kept_alive = _connect(server)
     kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
-    assert [_closed_by_server(s) for s in (silent, slow, kept_alive)] == [True, True, True]
+    assert [closed_by_peer(s, WAIT_S) for s in (silent, slow, kept_alive)] == [True, True, True]
     assert _get(server, "/health")[0] == 200
 
 
@@ -128,10 +117,9 @@ def test_idle_connections_beyond_the_bound_make_room_oldest_first(serve):
     server, _ = serve(http_max_connections=3, connection_idle_timeout_s=WAIT_S * 4)
     idle = [_connect(server) for _ in range(10)]
     assert _get(server, "/health") == (200, b"ok")  # it took the place of the eighth idle connection
-    assert [_closed_by_server(s) for s in idle[:8]] == [True] * 8
+    assert [closed_by_peer(s, WAIT_S) for s in idle[:8]] == [True] * 8
     for sock in idle[8:]:
-        sock.settimeout(0.5)
-        assert not _closed_by_server(sock)
+        assert not closed_by_peer(sock, 0.5)
 
 
 def test_with_every_connection_busy_a_new_one_gets_503_as_an_openai_error(serve):
@@ -159,7 +147,7 @@ def test_a_client_that_stops_reading_is_disconnected_after_the_stall_timeout(ser
     reader = _connect(server, receive_buffer=4096)
     reader.sendall(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")
     assert app.flood_ended.wait(WAIT_S), "the stream went on for a client that reads nothing"
-    assert _closed_by_server(reader)
+    assert closed_by_peer(reader, WAIT_S)
     deadline = time.monotonic() + WAIT_S
     while len(server.connections):
         assert time.monotonic() < deadline, "the stalled connection is still counted"
