@@ -91,6 +91,11 @@ async def next_event(request: InflightRequest) -> object:
     return await asyncio.wait_for(request.events.get(), WAIT_S)
 
 
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
 @asynccontextmanager
 async def running_router(workers: dict[str, tuple[Role, int]], **router_settings):
     """The router started on an ipc:// socket of its own, with a peer per worker id registered."""
@@ -273,6 +278,9 @@ def test_the_socket_loop_survives_a_frame_whose_handling_raises():
 
             membership.peer = fails_once
             harness.peers["decode-0"].heartbeat()
+            # Frames of two peers keep no order between them: the request's own frames start only
+            # once the heartbeat has been through the failing lookup.
+            await asyncio.wait_for(until(lambda: injected), WAIT_S)
             request = InflightRequest(job())
             await harness.submitted(request)
             await harness.decoding(request)  # KvReady and KvPulled arrive through the same loop
