@@ -253,6 +253,8 @@ class PrefillConfig:
     # Keep the KV of finished prompts as a cache of full pages and compute only what a new prompt
     # does not share with one before (services/prefill/prefix_cache.py); false: every prompt whole.
     prefix_cache: bool = True
+    # Ranks of tensor parallelism: one process and device each (shared/worker/ranks.py).
+    tensor_parallel: int = _positive(default=1)
     # Unused by services.colocated, whose one endpoint is decode.metrics_address.
     metrics_address: str = _http_address("127.0.0.1:9401")
 
@@ -265,6 +267,9 @@ class DecodeConfig:
     # The most requests the decode steps at once. It tells the router in Register, which places no
     # more on it: the next waits in admission (router.admission_timeout_s), not in the decode.
     max_batch_size: int = _positive(default=64)
+    # Ranks of tensor parallelism, as prefill.tensor_parallel; a prefill and a decode of different
+    # sizes pair (each decode rank pulls its KV heads from the prefill ranks that hold them).
+    tensor_parallel: int = _positive(default=1)
     # GPU only: the worker id of a prefill on the same GPU whose weights this decode maps through
     # CUDA IPC instead of loading its own copy; empty: load a copy.
     weights_from: str = ""
@@ -343,6 +348,12 @@ class Config:
         if self.kv.transfer == "cuda_ipc" and not on_gpu:
             raise ConfigError(f"kv.transfer cuda_ipc moves GPU memory, but the pools are on {self.model.device}: "
                               "use shm, nixl or auto")
+        if self.decode.weights_from and (self.decode.tensor_parallel > 1 or self.prefill.tensor_parallel > 1):
+            raise ConfigError("decode.weights_from maps a whole model that one prefill process holds: "
+                              "it needs prefill.tensor_parallel and decode.tensor_parallel of 1")
+        if self.kv.transfer == "nixl" and self.prefill.tensor_parallel != self.decode.tensor_parallel:
+            raise ConfigError("kv.transfer nixl moves whole pages rank to rank: prefill.tensor_parallel and "
+                              "decode.tensor_parallel must be equal with it (shm or cuda_ipc pair any sizes)")
         if self.router.auth_token_file and self.router.auth_token:
             raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
 
@@ -363,9 +374,11 @@ def env_name(section: str, key: str) -> str:
     return f"PDSERVE_{section}_{key}".upper()
 
 
-# PDSERVE_* variables that are not settings: the config file's path, and the MPS script's SM shares
-# (deploy/mps/run-on-one-gpu.sh), which its services inherit.
-OTHER_VARIABLES = frozenset({"PDSERVE_CONFIG", "PDSERVE_PREFILL_SM_PERCENT", "PDSERVE_DECODE_SM_PERCENT"})
+# PDSERVE_* variables that are not settings: the config file's path, the MPS script's SM shares
+# (deploy/mps/run-on-one-gpu.sh), which its services inherit, and what a tensor-parallel worker's
+# rank 0 tells the other ranks it starts (shared/worker/ranks.py).
+OTHER_VARIABLES = frozenset({"PDSERVE_CONFIG", "PDSERVE_PREFILL_SM_PERCENT", "PDSERVE_DECODE_SM_PERCENT",
+                             "PDSERVE_TP_RANK", "PDSERVE_TP_STORE"})
 
 
 def check_variables(environ: typing.Mapping[str, str]) -> None:

@@ -60,7 +60,7 @@ class ProtocolPeer:
         handles = []
         if self.role == Role.PREFILL:  # a pool nobody can map: this peer never hands KV over for real
             layout = make_layout(1, self.total_pages, self.page_size, 1, 8, torch.float32)
-            handles = [KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout)]
+            handles = [KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout, 0)]
         self.send(Register(self.worker_id, self.role, protocol_version, self.incarnation, 0, self.total_pages,
                            self.page_size, self.max_batch_size, handles, self.fingerprint))
 

@@ -220,3 +220,27 @@ def test_a_service_started_with_a_mistyped_variable_exits_2_naming_it(service, t
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "PDSERVE_KV_DTYPES names no setting; did you mean PDSERVE_KV_DTYPE?" in done.stderr
+
+
+def test_tensor_parallel_settings_that_cannot_work_together_are_refused():
+    with pytest.raises(ConfigError, match="decode.weights_from maps a whole model"):
+        load_config(None, {"PDSERVE_DECODE_WEIGHTS_FROM": "prefill-0", "PDSERVE_PREFILL_TENSOR_PARALLEL": "2"})
+    with pytest.raises(ConfigError, match="kv.transfer nixl moves whole pages rank to rank"):
+        load_config(None, {"PDSERVE_KV_TRANSFER": "nixl", "PDSERVE_DECODE_TENSOR_PARALLEL": "3"})
+    with pytest.raises(ConfigError, match="services.colocated runs one model in one process"):
+        check_service(load_config(None, {"PDSERVE_DECODE_TENSOR_PARALLEL": "3"}), "colocated")
+    with pytest.raises(ConfigError, match="prefill.tensor_parallel .from PDSERVE_PREFILL_TENSOR_PARALLEL.: 0 must be positive"):
+        load_config(None, {"PDSERVE_PREFILL_TENSOR_PARALLEL": "0"})
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_tensor_parallel_size_the_model_cannot_be_split_by_exits_2_before_any_rank_starts(role, checkpoint,
+                                                                                            tmp_path):
+    """The embedded model has 9 attention heads: 2 ranks cannot share them."""
+    environ = {**os.environ, "PDSERVE_ROUTER_RUNTIME_DIR": str(tmp_path / "run"), "PDSERVE_LOG_FORMAT": "json"}
+    done = subprocess.run([sys.executable, "-m", f"services.{role}", f"--{role}-tensor-parallel", "2"], cwd=REPO,
+                          env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "tensor_parallel 2 does not divide the model's 9 attention heads" in done.stdout + done.stderr
+    assert "tensor-parallel ranks joined" not in done.stdout + done.stderr

@@ -129,7 +129,7 @@ def test_a_read_moves_exactly_the_requests_pages_of_every_shard(exporter, decode
     local, freed = decode_side
     puller = KvPuller(local, DECODE_PAGES - 1, freed.extend, transfer="nixl")
     puller.map_pool("prefill-0", handles)
-    assert puller.sources["prefill-0"].handle.backend == "nixl"
+    assert [source.handle.backend for source in puller.pools["prefill-0"].sources] == ["nixl"]
     transfer = puller.pull(task([11, 0, 5]), [2, 7, 3])
     [landed] = wait_for(puller, puller.landed)
     assert landed is transfer and transfer.state is TransferState.DONE
@@ -205,7 +205,7 @@ def test_a_malformed_nixl_handle_is_refused(decode_side):
     local, freed = decode_side
     layout = make_layout(num_pages=PREFILL_PAGES, **SPEC)
     with pytest.raises(HandoffError, match="malformed NIXL pool handle"):
-        KvPuller(local, DECODE_PAGES - 1, freed.extend).map_pool("prefill-0", [KvPoolHandle("nixl", b"\x01", layout)])
+        KvPuller(local, DECODE_PAGES - 1, freed.extend).map_pool("prefill-0", [KvPoolHandle("nixl", b"\x01", layout, 0)])
 
 
 # ---- the stack ----

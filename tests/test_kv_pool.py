@@ -173,7 +173,7 @@ from shared.control.messages import KvLayout, KvPoolHandle
 name, close, *fields = sys.argv[1:]
 layers, pages, page_size, heads, head_dim, dtype, stride = fields
 layout = KvLayout(int(layers), int(pages), int(page_size), int(heads), int(head_dim), dtype, int(stride))
-mapped = SharedMemoryMapping(KvPoolHandle("shm", name.encode(), layout))
+mapped = SharedMemoryMapping(KvPoolHandle("shm", name.encode(), layout, 0))
 kv = mapped.pool.kv
 expected = torch.arange(kv[0].numel(), dtype=torch.float32).reshape(kv[0].shape) % 13
 seen = [bool(torch.equal(kv[i].float(), expected + 16 * i)) for i in range(kv.shape[0])]
@@ -228,7 +228,7 @@ def test_closing_the_export_removes_the_segment():
 def test_mapping_refuses_another_backend():
     layout = make_layout(**LAYOUTS["float32"])
     with pytest.raises(TransferError, match="cuda_ipc"):
-        backend_for(KvPoolHandle("cuda_ipc", b"opaque", layout), "cpu")
+        backend_for(KvPoolHandle("cuda_ipc", b"opaque", layout, 0), "cpu")
 
 
 def test_page_arithmetic():

@@ -175,7 +175,7 @@ def test_workers_of_another_kv_dtype_are_refused():
     registry = WorkerRegistry()
     layout = make_layout(**SPEC, dtype=torch.int8)
     prefill = Register("prefill-0", Role.PREFILL, PROTOCOL_VERSION, "a", 1, 8, 16, 0,
-                       KvPoolHandle("shm", b"segment", layout), int8)
+                       KvPoolHandle("shm", b"segment", layout, 0), int8)
     assert policy.refusal(prefill, None, registry) == ""
     registry.register(b"prefill", None, prefill)
     decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "b", 2, 8, 16, 4, None, bf16)

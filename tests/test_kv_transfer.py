@@ -149,7 +149,7 @@ def test_the_pages_of_a_read_that_goes_on_after_its_cancel_wait_until_it_settles
 def test_a_pool_no_backend_here_can_pull_is_refused_with_its_reason(local):
     puller = KvPuller(local, SCRATCH, [].extend)
     with pytest.raises(HandoffError, match="a decode on cpu cannot pull a 'rdma' pool"):
-        puller.map_pool("prefill-0", [KvPoolHandle("rdma", b"agent", make_layout(num_pages=4, **SPEC))])
+        puller.map_pool("prefill-0", [KvPoolHandle("rdma", b"agent", make_layout(num_pages=4, **SPEC), 0)])
     with pytest.raises(HandoffError, match=r"no mapped pool for prefill prefill-0 \(rdma: a decode on cpu cannot pull"):
         puller.pull(task([0]), [0])
 
@@ -157,10 +157,10 @@ def test_a_pool_no_backend_here_can_pull_is_refused_with_its_reason(local):
 def test_a_decode_takes_the_first_handle_it_may_use_that_opens(local):
     """auto: another host's shared memory does not open, so NIXL's handle is next (here a fake's)."""
     export = fake_export(Script())
-    elsewhere = KvPoolHandle("shm", b"pdserve-kv-prefill-0-0badcafe-1", export.handle.layout)
+    elsewhere = KvPoolHandle("shm", b"pdserve-kv-prefill-0-0badcafe-1", export.handle.layout, 0)
     puller = KvPuller(local, SCRATCH, [].extend)
     puller.map_pool("prefill-0", [elsewhere, export.handle])
-    assert puller.sources["prefill-0"].handle == export.handle
+    assert [source.handle for source in puller.pools["prefill-0"].sources] == [export.handle]
     only_shm = KvPuller(local, SCRATCH, [].extend, transfer="shm")
     with pytest.raises(HandoffError, match="shm: .*No such file"):
         only_shm.map_pool("prefill-0", [elsewhere, export.handle])

@@ -13,8 +13,9 @@ from shared.control import wire
 
 LAYOUT = m.KvLayout(num_layers=30, num_pages=1024, page_size=16, num_kv_heads=3, head_dim=64,
                     dtype="bfloat16", shard_stride_bytes=3_145_728)
-HANDLES = [m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-5e1f-1234", layout=LAYOUT),
-           m.KvPoolHandle(backend="nixl", locator=b"\x95\xc4\x03md!\x00\x01\xa4DRAM\x00", layout=LAYOUT)]
+HANDLES = [m.KvPoolHandle(backend="shm", locator=b"pdserve-kv-prefill-0-5e1f-1234", layout=LAYOUT, first_kv_head=0),
+           m.KvPoolHandle(backend="nixl", locator=b"\x95\xc4\x03md!\x00\x01\xa4DRAM\x00", layout=LAYOUT,
+                          first_kv_head=3)]
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 63) - 1)
 STOP = m.StopParams(max_tokens=128, ignore_eos=True)
 FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",

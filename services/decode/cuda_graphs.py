@@ -9,7 +9,7 @@ The page table is as wide as the model's context, so one graph serves every leng
 
 Where the per-shape matmul choice (shared/model/linear_choice.py) put some of a bucket's matmuls
 on cuBLAS, the bucket is captured twice, as chosen and with every matmul on the Triton GEMV, and
-the faster replay is kept. Both are timed on the same inputs: every row at a 1,024-token context
+the faster replay is kept (without tensor parallelism). Both are timed on the same inputs: every row at a 1,024-token context
 whose pages are all the scratch page.
 """
 
@@ -58,7 +58,9 @@ class GraphedDecode:
         linears = self.model.linears
         linears.gemv_rows.discard(size)  # an earlier GraphedDecode of this model may have set it
         chosen = self._capture(size, max_pages, memory_pool)
-        if not linears.uses_cublas(size):
+        # Tensor-parallel ranks keep the capture as chosen: their replays run collectives, so every
+        # rank must replay alike, and each rank's timings would differ.
+        if not linears.uses_cublas(size) or self.model.tp.size > 1:
             return chosen
         linears.gemv_rows.add(size)
         all_gemv = self._capture(size, max_pages, memory_pool)

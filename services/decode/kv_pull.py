@@ -1,12 +1,15 @@
 """Pulling a request's KV pages from a prefill's pool into the decode's own pool.
 
-Each prefill pool is opened once, when the router announces it (PoolAvailable), by the first of
-its handles that kv.transfer allows and that opens here (shared/kv/transfer/choice.py), through
-the backend that handle and this decode's device call for, and kept until the prefill goes away
-(PoolGone) or is replaced by a new incarnation. Per request exactly the prompt's pages move, in
-one transfer; landed() and failed() report each finished transfer once. A transfer that is not
-stream-ordered and has not finished within the timeout is cancelled and reported failed; a
-stream-ordered one ends with the decode's own stream, which the router's progress timeout watches.
+Each prefill pool is opened once, when the router announces it (PoolAvailable), by the first kind
+of its handles that kv.transfer allows and that opens here (shared/kv/transfer/choice.py), through
+the backend that kind and this decode's device call for, and kept until the prefill goes away
+(PoolGone) or is replaced by a new incarnation. A prefill and a decode of tensor parallelism pair
+rank by rank: this decode rank opens the pool of each prefill rank that holds some of its KV
+heads (PrefillPool), and takes those heads from it, never through another rank. Per request
+exactly the prompt's pages move, in one transfer; landed() and failed() report each finished
+transfer once. A transfer that is not stream-ordered and has not finished within the timeout is
+cancelled and reported failed; a stream-ordered one ends with the decode's own stream, which the
+router's progress timeout watches.
 
 The pages of a request dropped before its pages landed (aborted, failed) go back to the pool
 through drop(): at once, or, while a cancelled remote read may still write into them, once it
@@ -23,10 +26,13 @@ import structlog
 
 from shared.config import KvConfig
 from shared.control import wire
-from shared.control.messages import DecodeTask, KvPoolHandle
+from shared.control.messages import DecodeTask, KvLayout, KvPoolHandle
 from shared.kv.pages import pages_for
 from shared.kv.pool import PagedKvPool
 from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
+from shared.kv.transfer.base import HeadSlice, whole_pages_only
+from shared.kv.transfer.choice import heads_from
+from shared.kv.transfer.local_copy import JointCopy
 from shared.kv.transfer.nixl import NixlBackend
 from shared.kv.transfer.nixl_network import LOOPBACK
 
@@ -37,14 +43,37 @@ class HandoffError(RuntimeError):
     pass
 
 
+class PrefillPool:
+    """A prefill's pool as this decode rank pulls from it: a Source per prefill rank that holds
+    some of our KV heads, and which of them each fills (None: whole pages, the same heads)."""
+
+    def __init__(self, pieces: list[tuple[Source, HeadSlice | None]]):
+        self.pieces = pieces
+        self.sources = list(dict.fromkeys(source for source, _ in pieces))
+
+    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> Transfer:
+        copies = [source.start(request_id, src_pages, dst_pages, heads) for source, heads in self.pieces]
+        # Several pieces come only from a backend with head_slices (KvPuller._open): stream-ordered copies.
+        return copies[0] if len(copies) == 1 else JointCopy(copies)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
 class KvPuller:
     def __init__(self, local: PagedKvPool, scratch_page: int, free_pages: Callable[[list[int]], None],
                  transfer_timeout_s: float = KvConfig.transfer_timeout_s, transfer: str = KvConfig.transfer,
-                 nixl_net_devices: str = LOOPBACK):
+                 nixl_net_devices: str = LOOPBACK, kv_heads: range | None = None):
         """scratch_page: a page of local that the backends may overwrite (to warm up the transfer
         from a newly opened pool before a request needs it); free_pages: gives pages back to the
         decode's allocator; transfer: kv.transfer, the kinds this decode pulls with;
-        nixl_net_devices: where its NIXL agent, if it needs one, listens (shared/kv/transfer/nixl_network.py)."""
+        nixl_net_devices: where its NIXL agent, if it needs one, listens (shared/kv/transfer/nixl_network.py);
+        kv_heads: the model's KV heads this decode rank holds, in its pool's order (None: all of
+        them, a decode without tensor parallelism)."""
+        self.kv_heads = kv_heads if kv_heads is not None else range(local.layout.num_kv_heads)
+        if len(self.kv_heads) != local.layout.num_kv_heads:
+            raise ValueError(f"{len(self.kv_heads)} KV heads for a pool of {local.layout.num_kv_heads}")
         self.local = local
         self.scratch_page = scratch_page
         self.free_pages = free_pages
@@ -52,7 +81,7 @@ class KvPuller:
         self.transfer = transfer
         self.nixl_net_devices = nixl_net_devices
         self.backends: dict[type[Backend], Backend] = {}
-        self.sources: dict[str, Source] = {}
+        self.pools: dict[str, PrefillPool] = {}
         self.offered: dict[str, list[KvPoolHandle]] = {}  # prefill id -> the handles its pool came with
         self.unmappable: dict[str, str] = {}  # prefill id -> why its pool could not be opened
         self.in_flight: list[Transfer] = []   # in start order
@@ -67,34 +96,54 @@ class KvPuller:
         return bool(self.in_flight or self._landed or self._failed)
 
     def map_pool(self, prefill_worker_id: str, handles: list[KvPoolHandle]) -> None:
-        if self.offered.get(prefill_worker_id) == handles and prefill_worker_id in self.sources:
+        if self.offered.get(prefill_worker_id) == handles and prefill_worker_id in self.pools:
             return
         self.unmap_pool(prefill_worker_id)
         self.offered[prefill_worker_id] = handles
         usable = usable_handles(handles, self.transfer)
         failures = [] if usable else [f"kv.transfer is {self.transfer}, the pool is offered by "
                                       f"{', '.join(h.backend for h in handles) or 'nothing'}"]
-        for handle in usable:
+        for kind in dict.fromkeys(handle.backend for handle in usable):
             try:
-                self.sources[prefill_worker_id] = self._open(prefill_worker_id, handle)
+                pool = self._open(prefill_worker_id, [h for h in usable if h.backend == kind])
             except (RuntimeError, OSError, ValueError) as exc:  # TransferError is a RuntimeError
-                failures.append(f"{handle.backend}: {exc}")
+                failures.append(f"{kind}: {exc}")
                 continue
-            log.info("mapped prefill pool", prefill=prefill_worker_id, backend=handle.backend,
-                     pages=handle.layout.num_pages, passed_over=failures)
+            self.pools[prefill_worker_id] = pool
+            log.info("mapped prefill pool", prefill=prefill_worker_id, backend=kind, ranks=len(pool.sources),
+                     pages=pool.sources[0].handle.layout.num_pages, passed_over=failures)
             return
         self.unmappable[prefill_worker_id] = "; ".join(failures)
         raise HandoffError(f"cannot open the pool of {prefill_worker_id}: {self.unmappable[prefill_worker_id]}")
 
-    def _open(self, prefill_worker_id: str, handle: KvPoolHandle) -> Source:
-        layout, local = handle.layout, self.local.layout
-        if (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
-                local.num_layers, local.page_size, local.num_kv_heads, local.head_dim, local.dtype):
-            raise TransferError(f"its layout is {layout}, ours is {local}")
-        return self._backend(handle).open(prefill_worker_id, handle)
+    def _open(self, prefill_worker_id: str, handles: list[KvPoolHandle]) -> PrefillPool:
+        """A pool from the handles of one kind that hold our heads; TransferError if one is
+        missing, a handle does not open, or the backend cannot move the heads as they lie."""
+        plan = heads_from(handles, self.kv_heads)
+        for handle, _ in plan:
+            self._check_layout(handle.layout)
+        kind = backend_for(plan[0][0], self.local.kv.device)
+        if not kind.head_slices and any(heads is not None for _, heads in plan):
+            raise whole_pages_only(plan[0][0].backend)
+        backend = self._backend(kind)
+        sources: dict[KvPoolHandle, Source] = {}
+        try:
+            for handle in dict.fromkeys(handle for handle, _ in plan):
+                sources[handle] = backend.open(prefill_worker_id, handle)
+        except BaseException:
+            for source in sources.values():
+                source.close()
+            raise
+        return PrefillPool([(sources[handle], heads) for handle, heads in plan])
 
-    def _backend(self, handle: KvPoolHandle) -> Backend:
-        kind = backend_for(handle, self.local.kv.device)
+    def _check_layout(self, layout: KvLayout) -> None:
+        """Ours but for the head count, which tensor parallelism divides."""
+        local = self.local.layout
+        if (layout.num_layers, layout.page_size, layout.head_dim, layout.dtype) != (
+                local.num_layers, local.page_size, local.head_dim, local.dtype):
+            raise TransferError(f"its layout is {layout}, ours is {local}")
+
+    def _backend(self, kind: type[Backend]) -> Backend:
         if kind not in self.backends:
             network = (self.nixl_net_devices,) if kind is NixlBackend else ()
             self.backends[kind] = kind(self.local, self.scratch_page, *network)
@@ -103,14 +152,14 @@ class KvPuller:
     def unmap_pool(self, prefill_worker_id: str) -> None:
         self.unmappable.pop(prefill_worker_id, None)
         self.offered.pop(prefill_worker_id, None)
-        source = self.sources.pop(prefill_worker_id, None)
-        if source is not None:
-            source.close()
+        pool = self.pools.pop(prefill_worker_id, None)
+        if pool is not None:
+            pool.close()
 
     def pull(self, task: DecodeTask, local_pages: list[int]) -> Transfer:
         """Starts moving the task's prompt pages into local_pages; landed() says when they are there."""
-        source = self.sources.get(task.prefill_worker_id)
-        if source is None:
+        pool = self.pools.get(task.prefill_worker_id)
+        if pool is None:
             why = self.unmappable.get(task.prefill_worker_id, "not announced")
             raise HandoffError(f"no mapped pool for prefill {task.prefill_worker_id} ({why})")
         count = pages_for(task.num_tokens, self.local.layout.page_size)
@@ -118,7 +167,7 @@ class KvPuller:
             src_ids = np.frombuffer(wire.unpack_page_ids(task.src_page_ids), dtype=np.intc)
             if len(src_ids) < count:
                 raise ValueError(f"{len(src_ids)} page ids for a prompt of {count} pages")
-            transfer = source.start(task.request_id, src_ids[:count], local_pages[:count])
+            transfer = pool.start(task.request_id, src_ids[:count], local_pages[:count])
         except (TransferError, ValueError) as exc:  # WireError is a ValueError
             raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
         self.in_flight.append(transfer)
@@ -175,5 +224,5 @@ class KvPuller:
         self.in_flight = still
 
     def close(self) -> None:
-        for prefill_worker_id in list(self.sources):
+        for prefill_worker_id in list(self.pools):
             self.unmap_pool(prefill_worker_id)

@@ -23,10 +23,10 @@ from collections import deque
 
 import structlog
 
-from services.decode.cuda_graphs import GraphedDecode
-from services.decode.kv_pull import HandoffError, KvPuller
+from services.decode.kv_pull import HandoffError
+from services.decode.rank_engine import MAP_POOL, PULL, UNMAP_POOL, build_decode_rank, lead_step
 from services.decode.step_inputs import DecodingRequest, StepInputBuilder
-from shared.config import Config
+from shared.control import wire
 from shared.control.dispatch import FatalError
 from shared.control.messages import (
     Abort,
@@ -43,11 +43,9 @@ from shared.control.messages import (
     TokenOut,
 )
 from shared.control.router_link import WorkerLoad
-from shared.kernels.device import Moment, date_moments, mark, on_stream, worker_stream
-from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
-from shared.kv.pool import allocate_local_pool
+from shared.kernels.device import Moment, date_moments, mark
+from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed
 from shared.kv.transfer import TransferState
-from shared.kv.transfer.nixl_network import nixl_net_devices
 from shared.model.sampling import sample
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
@@ -80,38 +78,23 @@ class DecodeWorker(WorkerLoop):
         self.max_batch_size = config.decode.max_batch_size
         self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
-        # One page more than the allocator hands out: the CUDA graphs' padding rows write there,
-        # and the puller's copy of a newly mapped pool.
-        layout = model.kv_layout(config.kv.decode_pages + 1, config.kv.page_size, config.kv.dtype)
-        self.pool, self._pool_buffer = allocate_local_pool(layout, model.device)
         self.allocator = PageAllocator(config.kv.decode_pages)
-        self.scratch_page = config.kv.decode_pages
-        self.puller = KvPuller(self.pool, self.scratch_page, self.allocator.free, config.kv.transfer_timeout_s,
-                               config.kv.transfer, nixl_net_devices(config.kv.nixl_net_devices,
-                                                                    config.router.zmq_endpoint()))
-        stream = worker_stream(model.device, high_priority=True)
-        # The most pages one request can hold: its whole context, within the pool.
-        max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
-        self.inputs = StepInputBuilder(self.max_batch_size, max_pages, layout.page_size, model.device)
-        self.graphs = self._capture_graphs(config, max_pages, stream) if model.device.type == "cuda" else None
+        self.rank = build_decode_rank(config, model, worker.ranks, self.allocator.free)
+        self.pool, self.puller = self.rank.pool, self.rank.puller
+        self.inputs = StepInputBuilder(self.max_batch_size, self.rank.max_pages, self.pool.layout.page_size,
+                                       model.device)
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.pulling: dict[str, DecodingRequest] = {}   # kept out of the batch until their transfer is DONE
         self.last_busy = float("-inf")
-        super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, layout.page_size, [],
+        stream = self.rank.stream
+        super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, self.pool.layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
                  stream_priority=stream.priority if stream is not None else None)
-
-    def _capture_graphs(self, config: Config, max_pages: int, stream) -> GraphedDecode | None:
-        sizes = config.decode.graph_batch_sizes()
-        if not sizes:
-            return None
-        with on_stream(stream):
-            return GraphedDecode(self.model, self.pool, self.scratch_page, max_pages, sizes)
 
     # ---- the skeleton's hooks ----
 
@@ -159,14 +142,24 @@ class DecodeWorker(WorkerLoop):
     # ---- requests ----
 
     def _on_pool_available(self, message: PoolAvailable) -> None:
+        self.ranks.lead(MAP_POOL, wire.encode(message))
+        error = ""
         try:
             self.puller.map_pool(message.prefill_worker_id, message.pool_handles)
         except HandoffError as exc:
-            log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=str(exc))
-            self.link.send(PoolUnreachable(message.prefill_worker_id, str(exc)))
+            error = str(exc)
+        if not self.ranks.all_agree(not error):
+            error = error or "another rank of this decode cannot open the pools that hold its KV heads"
+            self._unmap(message.prefill_worker_id)
+            log.error("cannot map prefill pool", prefill=message.prefill_worker_id, error=error)
+            self.link.send(PoolUnreachable(message.prefill_worker_id, error))
+
+    def _unmap(self, prefill_worker_id: str) -> None:
+        self.ranks.lead(UNMAP_POOL, prefill_worker_id)
+        self.puller.unmap_pool(prefill_worker_id)
 
     def _on_pool_gone(self, message: PoolGone) -> None:
-        self.puller.unmap_pool(message.prefill_worker_id)
+        self._unmap(message.prefill_worker_id)
         if message.prefill_worker_id == self.weights_from:
             raise WeightsOwnerGone(f"prefill {self.weights_from}, whose weights this decode maps, is gone")
 
@@ -177,11 +170,19 @@ class DecodeWorker(WorkerLoop):
         except PoolExhausted as exc:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return
+        self.ranks.lead(PULL, wire.encode(task), pages)
+        transfer, error = None, ""
         try:
             transfer = self.puller.pull(task, pages)
         except HandoffError as exc:
-            self.allocator.free(pages)
-            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {exc}"))
+            error = str(exc)
+        if not self.ranks.all_agree(not error):
+            if transfer is not None:
+                self.puller.drop(task.request_id, pages)
+            else:
+                self.allocator.free(pages)
+            error = error or "another rank of this decode could not pull its KV heads"
+            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"KV handoff failed: {error}"))
             return
         request = DecodingRequest(task.request_id, pages, task.num_tokens, task.first_token_id, task.generated + 1,
                                   task.sampling, task.stop, transfer)
@@ -217,9 +218,8 @@ class DecodeWorker(WorkerLoop):
         joining = [r for r in self.running if r.handoff is not None]
         started = mark(self.model.device) if joining else None
         inputs = self.inputs.build(self.running)
-        logits = self.graphs.step(inputs) if self.graphs is not None else None
-        if logits is None:
-            logits = self.model.decode(inputs.token_ids, inputs.positions, inputs.page_table, self.pool)
+        lead_step(self.ranks, inputs)
+        logits = self.rank.step(inputs)
         tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
         self._acknowledge_pulls()  # sample waited for the step, so for the copies before it: KvPulled goes first
         joined = self._joined(joining, started) if joining else []

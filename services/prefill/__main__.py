@@ -1,5 +1,7 @@
-"""python -m services.prefill: the prefill worker (prompt forward pass, first token, KV export)."""
+"""python -m services.prefill: the prefill worker (prompt forward pass, first token, KV export);
+with prefill.tensor_parallel > 1, its rank 0, which starts the other ranks (services/prefill/follower.py)."""
 
+from services.prefill import follower
 from services.prefill.worker import PrefillWorker
 from shared.control.messages import Role
 from shared.runtime import metrics
@@ -7,9 +9,13 @@ from shared.worker.main import exit_on_error, start_worker
 
 
 def main() -> None:
-    worker = PrefillWorker(start_worker(Role.PREFILL))
-    metrics.watch_workers([worker.load])
-    worker.run()
+    worker = start_worker(Role.PREFILL)
+    if not worker.ranks.leads:
+        follower.follow(worker)
+        return
+    prefill = PrefillWorker(worker)
+    metrics.watch_workers([prefill.load])
+    prefill.run()
 
 
 if __name__ == "__main__":

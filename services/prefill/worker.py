@@ -29,14 +29,16 @@ import torch
 
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
+from services.prefill.rank_pools import export_rank_pool
+from shared.config import Config
 from shared.control import wire
-from shared.control.messages import Abort, ErrorCode, Failed, KvReady, PrefillTask, ReleaseKv, Role
+from shared.control.dispatch import FatalError
+from shared.control.messages import Abort, ErrorCode, Failed, KvLayout, KvReady, PrefillTask, ReleaseKv, Role
 from shared.control.router_link import WorkerLoad
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.page_keys import page_keys
 from shared.kv.pages import pages_for
-from shared.kv.transfer import export_pool
-from shared.kv.transfer.nixl_network import nixl_net_devices
+from shared.model.llama import PagedLlama
 from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
 from shared.runtime import metrics
@@ -49,8 +51,16 @@ log = structlog.get_logger()
 IDLE_WAIT_S = 0.1  # an idle loop's longest wait for a message (it also pings the watchdog)
 
 
+PREFILL = "prefill"  # rank 0's command to its followers: [prompt, pages, start]
+
+
 class PromptAbandoned(Exception):
     """The prompt being computed is no longer wanted; its pages are freed at once."""
+
+
+def prefill_layout(config: Config, model: PagedLlama) -> KvLayout:
+    """This rank's pool: its own KV heads (the model's shard), the same pages on every rank."""
+    return model.kv_layout(config.kv.prefill_pages, config.kv.page_size, config.kv.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,26 +79,25 @@ class PrefillWorker(WorkerLoop):
         self.model = model
         self.finish = worker.finish
         self.chunk_tokens = config.prefill.chunk_tokens
-        layout = model.kv_layout(config.kv.prefill_pages, config.kv.page_size, config.kv.dtype)
+        self.ranks = worker.ranks
+        layout = prefill_layout(config, model)
         self.page_size = layout.page_size
-        # Decodes may be on other hosts only where the control plane is tcp:// (choice.py).
-        cross_host = config.router.zmq_endpoint().startswith("tcp://") and not colocated
-        self.exported = export_pool(layout, config.prefill.worker_id, model.device, config.kv.transfer, cross_host,
-                                    nixl_net_devices(config.kv.nixl_net_devices, config.router.zmq_endpoint()))
+        self.exported, handles = export_rank_pool(config, model, self.ranks, layout, colocated)
         self.cache = PrefixCache(layout.num_pages, layout.page_size)
         self.use_cache = config.prefill.prefix_cache
         self.waiting: deque[Queued] = deque()
         self.held: dict[str, Lease] = {}
         self.running: str | None = None  # the request whose prompt is being computed
         self.abandoned = ""  # why the running prompt is no longer wanted
-        super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, self.exported.handles,
+        super().__init__(worker, config.prefill.worker_id, layout.num_pages, layout.page_size, handles,
                          {PrefillTask: self._on_task, ReleaseKv: self._on_release, Abort: self._on_abort},
                          worker_stream(model.device, high_priority=False))
         self.events = CacheEvents(self.worker_id, self.cache, self.link) if self.use_cache else None
         if model.device.type == "cuda":
             self._compile_prefill_kernels()
         self.weights_path = None
-        if model.device.type == "cuda" and not colocated:  # a decode on this GPU may map them (decode.weights_from)
+        # A decode on this GPU may map them (decode.weights_from); one rank's shard is no model to map.
+        if model.device.type == "cuda" and not colocated and self.ranks.size == 1:
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             publish_weights(model, self.weights_path)
         metrics.watch_pages(self.worker_id, Role.PREFILL, self.cache.num_pages, lambda: self.load().free_pages)
@@ -104,10 +113,25 @@ class PrefillWorker(WorkerLoop):
         its first cache hit). Pages 0 and 1 are free: nothing is allocated yet."""
         prompt, pages = [1] * (2 * self.page_size), [0, 1]
         with on_stream(self.stream):
-            self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens)
+            self._run_prompt(prompt, pages, 0, lambda: None)
             if self.use_cache:
-                self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens, start=self.page_size)
+                self._run_prompt(prompt, pages, self.page_size, lambda: None)
         torch.cuda.synchronize(self.model.device)
+
+    def _run_prompt(self, prompt: list[int], pages: list[int], start: int, between_chunks) -> torch.Tensor:
+        """The prompt's forward pass on every rank (services/prefill/follower.py runs the others'),
+        between_chunks deciding for all of them whether it goes on; the last position's logits."""
+        self.ranks.lead(PREFILL, prompt, pages, start)
+
+        def after_chunk() -> None:
+            try:
+                between_chunks()
+            except PromptAbandoned:
+                self.ranks.decide(False)
+                raise
+            self.ranks.decide(True)
+
+        return self.model.prefill(prompt, self.exported.pool, pages, self.chunk_tokens, after_chunk, start)
 
     # ---- the skeleton's hooks ----
 
@@ -199,8 +223,7 @@ class PrefillWorker(WorkerLoop):
             metrics.count_prefix_cache(len(prompt), cached_tokens)
         self.running, self.abandoned = task.request_id, ""
         try:
-            logits = self.model.prefill(prompt, self.exported.pool, lease.pages, self.chunk_tokens,
-                                        self._between_chunks, start=cached_tokens)
+            logits = self._run_prompt(prompt, lease.pages, cached_tokens, self._between_chunks)
             token = sample(logits[None], [task.sampling], [task.generated])[0]  # syncs: the pages are written
         except PromptAbandoned:
             self.cache.release(lease)
@@ -208,6 +231,10 @@ class PrefillWorker(WorkerLoop):
             if self.stop.now.is_set():
                 self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, "prefill worker is shutting down"))
             return
+        except FatalError as exc:  # a rank broke off: the worker exits, failing what it holds
+            self.cache.release(lease)
+            self.link.send(Failed(task.request_id, ErrorCode.UNAVAILABLE, f"prefill worker failed: {exc}"))
+            raise
         except Exception as exc:
             self.cache.release(lease)
             log.exception("prefill failed", request_id=task.request_id)

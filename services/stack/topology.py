@@ -11,6 +11,8 @@
   workers, they share them one core each, round robin.
 - GPUs: stack.devices places them by hand ("prefill=0,1 decode=2,3"); otherwise, with
   model.device = "cuda", one GPU each where there are enough; else every worker on model.device.
+  A worker of tensor_parallel k takes the k GPUs from the one it is given (its ranks,
+  shared/worker/ranks.py), so the automatic placement gives each worker k of them.
   decode.weights_from is refused unless each decode is on that prefill's GPU.
 """
 
@@ -143,10 +145,13 @@ def _devices(config: Config, counts: dict[Role, int], gpus: int) -> dict[Role, l
     given = parse_devices(config.stack.devices)
     if given and not device.startswith("cuda"):
         raise ConfigError(f"stack.devices places workers on GPUs, but model.device is {device!r}")
+    ranks = {role: getattr(config, role.value).tensor_parallel for role in ROLES}
     out = {}
-    if not given and device == "cuda" and sum(counts.values()) <= gpus:
-        out[Role.PREFILL] = [f"cuda:{i}" for i in range(counts[Role.PREFILL])]
-        out[Role.DECODE] = [f"cuda:{counts[Role.PREFILL] + i}" for i in range(counts[Role.DECODE])]
+    if not given and device == "cuda" and sum(counts[role] * ranks[role] for role in ROLES) <= gpus:
+        first = 0
+        for role in ROLES:
+            out[role] = [f"cuda:{first + i * ranks[role]}" for i in range(counts[role])]
+            first += counts[role] * ranks[role]
         return out
     for role in ROLES:
         listed = given.get(role.value, [_indexed(device)])
@@ -154,10 +159,12 @@ def _devices(config: Config, counts: dict[Role, int], gpus: int) -> dict[Role, l
             raise ConfigError(f"stack.devices gives {role.value} {len(listed)} GPUs for {counts[role]} workers: "
                               "give one for all of them, or one each")
         out[role] = listed * counts[role] if len(listed) == 1 else listed
-    for listed in out.values():
+    for role, listed in out.items():
         for name in listed:
-            if name.startswith("cuda:") and int(name.removeprefix("cuda:")) >= gpus:
-                raise ConfigError(f"{name} is not among the {gpus} GPUs this process sees")
+            last = int(name.removeprefix("cuda:")) + ranks[role] - 1 if name.startswith("cuda:") else -1
+            if last >= gpus:
+                ranks_need = f" (its {ranks[role]} ranks: up to cuda:{last})" if ranks[role] > 1 else ""
+                raise ConfigError(f"{name}{ranks_need} is not among the {gpus} GPUs this process sees")
     return out
 
 

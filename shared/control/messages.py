@@ -54,7 +54,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
 # the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
@@ -122,6 +122,9 @@ class KvPoolHandle:
     backend: str        # "shm" (POSIX shared memory), "cuda_ipc" or "nixl" (shared/kv/transfer)
     locator: bytes      # shm: the segment name; cuda_ipc: the IPC handle; nixl: the agent's metadata and the buffer
     layout: KvLayout
+    # A tensor-parallel rank's pool holds some of the model's KV heads: global heads first_kv_head
+    # .. first_kv_head + layout.num_kv_heads - 1, so that a decode rank finds the ranks holding its own.
+    first_kv_head: int
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,8 @@ class Register:
     # A decode's decode.max_batch_size: the router places no more requests on it at once, so that
     # none waits for a batch slot with the handoff's timeout running; 0 for a prefill.
     max_batch_size: int
-    # A prefill's pool, by each kind of transfer it offers, best first (shared/kv/transfer/choice.py);
-    # empty for a decode.
+    # A prefill's pool, by each kind of transfer it offers, best first, each kind with every
+    # tensor-parallel rank's handle (shared/kv/transfer/choice.py); empty for a decode.
     pool_handles: list[KvPoolHandle]
     fingerprint: ModelFingerprint
 

@@ -139,20 +139,41 @@ class PagedKvPool:
     def shards(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(0))
 
-    def copy_pages_from(self, src: "PagedKvPool", src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    def copy_pages_from(self, src: "PagedKvPool", src_pages: torch.Tensor, dst_pages: torch.Tensor,
+                        heads: tuple[int, int, int] | None = None) -> None:
         """All layers' K and V for the listed pages, with their scales where quantized: one Triton
         launch for the values and one for the scales on a GPU; on the CPU a gather and scatter of
         whole contiguous pages per shard, rather than one advanced index over the strided
         [shards, pages, ...] view, which copies element by element (of bits: PyTorch's CPU
-        index_copy_ has no float8)."""
+        index_copy_ has no float8). heads: (src's first, ours first, count): only those KV heads
+        of each page, as between tensor-parallel ranks of different sizes (_copy_heads)."""
         for dst_bits, src_bits in ((self.kv_bits, src.kv_bits), (self.scale_bits, src.scale_bits)):
             if dst_bits is None:
                 continue
-            if self.kv.is_cuda:
+            if heads is not None:
+                _copy_heads(src_bits, dst_bits, src_pages, dst_pages, heads)
+            elif self.kv.is_cuda:
                 kv_copy_triton.copy_pages(src_bits, dst_bits, src_pages, dst_pages)
-                continue
-            for to, source in zip(dst_bits.flatten(2), src_bits.flatten(2)):
-                to.index_copy_(0, dst_pages, source.index_select(0, src_pages))
+            else:
+                for to, source in zip(dst_bits.flatten(2), src_bits.flatten(2)):
+                    to.index_copy_(0, dst_pages, source.index_select(0, src_pages))
+
+
+def _copy_heads(src_bits: torch.Tensor, dst_bits: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+                heads: tuple[int, int, int]) -> None:
+    """Some heads of the listed pages, between [shards, pages, page_size, kv_heads(, head_dim)]
+    views, by torch indexing (a head's slice of a page is not contiguous, which the Triton copy
+    needs). On a GPU the page ids go up without waiting, as the Triton copy reads them: pinned
+    host memory that the caller rewrites only after the copy. On the CPU, one gather of whole
+    pages and one scatter into the heads' slice per shard."""
+    src_first, dst_first, count = heads
+    dst_heads = dst_bits.narrow(3, dst_first, count)
+    if dst_bits.is_cuda:
+        src_ids, dst_ids = (pages.to(dst_bits.device, non_blocking=True) for pages in (src_pages, dst_pages))
+        dst_heads[:, dst_ids] = src_bits.narrow(3, src_first, count)[:, src_ids]
+        return
+    for to, source in zip(dst_heads, src_bits):
+        to.index_copy_(0, dst_pages, source.index_select(0, src_pages).narrow(2, src_first, count))
 
 
 def allocate_local_pool(layout: KvLayout, device: torch.device | str) -> tuple[PagedKvPool, torch.Tensor]:

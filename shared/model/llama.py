@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from shared.control.messages import KvLayout
 from shared.kernels import fused_triton, kv_quant
+from shared.kv.heads import kv_heads_of
 from shared.kv.pool import PagedKvPool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
@@ -23,6 +24,7 @@ from shared.model.loader import config_dict
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.linear_choice import LinearChooser
 from shared.model.quantization import fp8_linear
+from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
 from shared.model.weights import LayerWeights, LlamaWeights
 
 
@@ -33,12 +35,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 
 class PagedLlama:
-    def __init__(self, config, weights: LlamaWeights, device: torch.device | str):
+    """With tp of more than one rank, weights are the rank's shard (shard_weights) and the head counts
+    the rank's own: its KV pool holds only its KV heads."""
+
+    def __init__(self, config, weights: LlamaWeights, device: torch.device | str, tp: TensorParallel = SINGLE):
         self.config = config
         self.device = torch.device(device)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp.size
+        self.total_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = len(kv_heads_of(tp.rank, tp.size, self.total_kv_heads))
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.max_context = config.max_position_embeddings
@@ -86,10 +93,16 @@ class PagedLlama:
 
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, layer.down, layer.down_scale)
+        return x + self.tp.all_reduce(linear(F.silu(gate) * up, layer.down, layer.down_scale))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+        return self._whole_vocab(F.linear(self._rms_norm(x, self.final_norm), self.lm_head)).float()
+
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the logits gathered, the vocabulary's padding (shard_weights) dropped."""
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_vocab(logits)[:, : self.vocab_size]
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], pool: PagedKvPool, page_ids: list[int],
@@ -136,7 +149,8 @@ class PagedLlama:
         pool.write(index, *slots, k, v)
         staged.write(begin, k, v)
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        x.copy_(self._mlp_block(layer, x + linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale)))
+        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale))
+        x.copy_(self._mlp_block(layer, x + attn))
 
     def _layer_chunk_fused(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
                            positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
@@ -148,10 +162,10 @@ class PagedLlama:
         q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
         staged.v[begin:end] = v
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        attn = linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale)
+        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale))
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
-        mlp = linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale)
+        mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
         torch.add(residual, mlp, out=x)
 
     def _fused_qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
@@ -181,7 +195,7 @@ class PagedLlama:
             pool.write(i, pages, offsets, k, v)
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i))
-            x = x + linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale)
+            x = x + self.tp.all_reduce(linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale))
             x = self._mlp_block(layer, x)
         return self._logits(x)
 
@@ -202,19 +216,25 @@ class PagedLlama:
                                            pool.key_scale(i), pool.value_scale(i))
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i), self.fp8_query)
-            attn = self.linears.apply(out.reshape(batch, -1), layer.o_proj, scale=layer.o_proj_scale)
+            attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj,
+                                                         scale=layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
-            mlp = self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down, scale=layer.down_scale)
+            mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
+                                                        scale=layer.down_scale))
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
-        return self.linears.apply(hidden, self.lm_head).float()
+        return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()
 
 
-def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantization: str = "none") -> PagedLlama:
+def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantization: str = "none",
+                     tp: TensorParallel = SINGLE) -> PagedLlama:
     """From a checkpoint folder, or a `random:<preset>` model built on the device. quantization
     "fp8" (model.quantization) quantizes the linear layers' weights (shared/model/quantization.py);
-    a checkpoint stored in FP8 loads as it is stored, whatever quantization says."""
+    a checkpoint stored in FP8 loads as it is stored, whatever quantization says. With tp of more
+    than one rank, the rank's shard of it (_load_shard)."""
     torch_dtype = getattr(torch, dtype)
+    if tp.size > 1:
+        return _load_shard(checkpoint, torch_dtype, device, quantization, tp)
     if presets.is_random(str(checkpoint)):
         if quantization == "fp8":
             config = presets.preset_config(str(checkpoint))
@@ -232,3 +252,38 @@ def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantizati
         for layer in model.layers:
             layer.quantize_fp8()
     return model
+
+
+def _load_shard(checkpoint: Path | str, dtype: torch.dtype, device: str, quantization: str,
+               tp: TensorParallel) -> PagedLlama:
+    """Rank tp.rank's shard: the whole model loaded on the CPU (random presets too, so that every rank
+    draws the same weights from the seed), sharded, the shard moved to the device and only then
+    quantized, so the device never holds more than the shard."""
+    config = _config(checkpoint)
+    check_shardable(config, tp.size)
+    shard = shard_weights(_weights_on_cpu(checkpoint, config, dtype), config, tp)
+    shard = LlamaWeights.from_named({name: t.to(device) for name, t in shard.named().items()}, len(shard.layers))
+    if quantization == "fp8" and shard.quantization == "none":
+        for layer in shard.layers:
+            layer.quantize_fp8()
+    return PagedLlama(config, shard, device, tp=tp)
+
+
+def _config(checkpoint: Path | str):
+    if presets.is_random(str(checkpoint)):
+        return presets.preset_config(str(checkpoint))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(checkpoint))
+
+
+def _weights_on_cpu(checkpoint: Path | str, config, dtype: torch.dtype) -> LlamaWeights:
+    if presets.is_random(str(checkpoint)):
+        return LlamaWeights.from_hf(presets.random_hf_model(str(checkpoint), dtype, "cpu"),
+                                    config.max_position_embeddings)
+    if is_fp8_checkpoint(config_dict(checkpoint)):
+        return fp8_checkpoint_weights(Path(checkpoint), config, dtype, "cpu")
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, device_map="cpu")
+    return LlamaWeights.from_hf(hf_model.eval(), config.max_position_embeddings)

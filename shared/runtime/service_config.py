@@ -57,6 +57,9 @@ def check_service(config: Config, service: str) -> None:
 def _check_colocated(config: Config, service: str) -> None:
     if service != "colocated":
         return
+    if config.prefill.tensor_parallel > 1 or config.decode.tensor_parallel > 1:
+        raise ConfigError("services.colocated runs one model in one process: tensor_parallel must be 1; "
+                          "serve tensor-parallel workers as separate prefill and decode services")
     if config.decode.weights_from:
         raise ConfigError("decode.weights_from does not apply to services.colocated: its prefill and "
                           "decode share one model already")

@@ -49,6 +49,7 @@ class WorkerLoop(abc.ABC):
         self.drained_by = ""  # the router epoch that said Drained: nothing of ours is in flight there
         self.notify = worker.notify
         self.stream = stream
+        self.ranks = worker.ranks  # this is rank 0: the others follow its commands
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
                                 total_pages, page_size, max_batch_size, pool_handles, worker.fingerprint)
         self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
@@ -66,11 +67,13 @@ class WorkerLoop(abc.ABC):
                         self.link.made_progress()
                         self.link.dispatch(self.dispatch, self.receive_timeout_s())
                         self.step()
+                        self.ranks.keep_alive()
         finally:
             self.notify.stopping()
             self.fail_all(f"{self.role} worker is shutting down")
             self.link.close()
             self.close()
+            self.ranks.close()
             log.info(f"{self.role} worker stopped")
 
     def _done(self) -> bool:

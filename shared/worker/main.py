@@ -7,7 +7,7 @@ colocated one (both workers in one process) reuses `load_model`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -17,6 +17,7 @@ from shared.control.messages import ModelFingerprint, Role
 from shared.kernels.device import select_device
 from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.sampling import FinishCheck
 from shared.model.weight_share import map_weights, weights_file
@@ -24,6 +25,7 @@ from shared.runtime.log import configure_logging
 from shared.runtime.process import StopSignals, SystemdNotify, die_with_parent, stop_signals
 from shared.runtime.service_config import parse_service_config
 from shared.worker.cores import pin_to_cores
+from shared.worker.ranks import RankGroup, join_ranks, own_rank, rank_device, solo
 
 log = structlog.get_logger()
 
@@ -39,25 +41,49 @@ class WorkerProcess:
     fingerprint: ModelFingerprint
     stop: StopSignals
     notify: SystemdNotify
+    ranks: RankGroup = field(default_factory=solo)  # this process's rank of the worker
 
 
 def start_worker(role: Role) -> WorkerProcess:
-    """The role's config section names the worker id and cores."""
+    """The role's config section names the worker id, cores and tensor-parallel size."""
     die_with_parent()
     config = parse_service_config(role.value)
     section = getattr(config, role.value)
-    configure_logging(role.value, section.worker_id, config.log.format, config.log.level)
+    rank = own_rank()
+    configure_logging(role.value, section.worker_id if rank == 0 else f"{section.worker_id}.rank{rank}",
+                      config.log.format, config.log.level)
     stop = stop_signals()
     cores = pin_to_cores(section.cpu_cores, "lower" if role == Role.PREFILL else "upper")
-    model, finish, fingerprint = load_model(config, getattr(section, "weights_from", ""))
-    log.info("model ready", cores=cores)
-    return WorkerProcess(config, model, finish, fingerprint, stop, SystemdNotify())
-
-
-def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
-    """The model, loaded from its checkpoint or mapped from the weights prefill `weights_from`
-    publishes, the check that ends its requests, and its fingerprint (what a peer's KV must match)."""
     # "cuda" resolved to "cuda:N" and made current before anything touches a GPU (shared/kernels/device.py).
+    device = select_device(rank_device(config.model.device, rank))
+    config.model.device = str(device)
+    if section.tensor_parallel > 1:
+        _check_shardable(config, section.tensor_parallel)
+    ranks = join_ranks(section.tensor_parallel, device, config.router.progress_timeout_s)
+    model, finish, fingerprint = load_model(config, getattr(section, "weights_from", ""), ranks.tp)
+    log.info("model ready", cores=cores)
+    return WorkerProcess(config, model, finish, fingerprint, stop, SystemdNotify(), ranks)
+
+
+class Unshardable(FatalError):
+    """A tensor_parallel size that does not fit the model: a setting to change, like a bad config value."""
+    exit_code = 2
+
+
+def _check_shardable(config: Config, size: int) -> None:
+    """Before any other rank is started."""
+    hf_config = load_hf_config(resolve_checkpoint(config.model.path, config.model.cache_dir))
+    try:
+        check_shardable(hf_config, size)
+    except ValueError as exc:
+        raise Unshardable(str(exc)) from None
+
+
+def load_model(config: Config, weights_from: str = "",
+               tp: TensorParallel = SINGLE) -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
+    """The model, loaded from its checkpoint (tp: this rank's shard of it) or mapped from the weights
+    prefill `weights_from` publishes, the check that ends its requests, and its fingerprint (what a
+    peer's KV must match)."""
     config.model.device = str(select_device(config.model.device))
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
@@ -66,11 +92,11 @@ def load_model(config: Config, weights_from: str = "") -> tuple[PagedLlama, Fini
         model, owner_pid = map_weights(hf_config, path, config.model.device, WEIGHTS_WAIT_S)
         log.info("mapped shared weights", prefill=weights_from, owner_pid=owner_pid)
     else:
-        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device, config.model.quantization)
+        model = load_paged_llama(checkpoint, config.model.dtype, config.model.device, config.model.quantization, tp)
     quantization = model.weights.quantization
     log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers, quantization=quantization)
     fingerprint = model_fingerprint(checkpoint, str(model.embed.dtype).removeprefix("torch."), quantization,
-                                    model.num_layers, model.num_kv_heads, model.head_dim, config.kv.page_size,
+                                    model.num_layers, model.total_kv_heads, model.head_dim, config.kv.page_size,
                                     config.kv.dtype)
     return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint
 

@@ -17,7 +17,7 @@ import torch
 from shared.control.messages import KvLayout, KvPoolHandle
 from shared.kv.transfer import local_exports
 from shared.kv.transfer.base import Backend, Export, Source, Transfer, TransferError, TransferState
-from shared.kv.transfer.choice import offered_kinds, usable_handles
+from shared.kv.transfer.choice import handles_of_ranks, offered_kinds, usable_handles
 from shared.kv.transfer.cuda_ipc import CudaIpcBackend, CudaIpcExport
 from shared.kv.transfer.fake import FakeBackend
 from shared.kv.transfer.nixl import NixlBackend, NixlExport
@@ -25,15 +25,16 @@ from shared.kv.transfer.nixl_network import LOOPBACK
 from shared.kv.transfer.shm import SharedMemoryExport, ShmBackend
 
 __all__ = ["Backend", "Export", "ExportedPool", "Source", "Transfer", "TransferError", "TransferState",
-           "backend_for", "export_pool", "usable_handles"]
+           "backend_for", "export_pool", "handles_of_ranks", "usable_handles"]
 
 BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend, "cuda_ipc": CudaIpcBackend, "nixl": NixlBackend,
                                       "fake": FakeBackend}
 
 
 class ExportedPool:
-    """A prefill's one pool, exported by one or more kinds: .pool, which the prefill writes, and
-    .handles, best first, sent once in Register."""
+    """A prefill's one pool (a tensor-parallel rank's), exported by one or more kinds: .pool, which
+    the prefill writes, and .handles, best first, sent once in Register (with the other ranks':
+    choice.py)."""
 
     def __init__(self, exports: list[Export]):
         self.exports = exports
@@ -50,27 +51,32 @@ class ExportedPool:
 
 
 def export_pool(layout: KvLayout, name_hint: str, device: torch.device | str, transfer: str = "auto",
-                cross_host: bool = False, nixl_net_devices: str = LOOPBACK) -> ExportedPool:
+                cross_host: bool = False, nixl_net_devices: str = LOOPBACK, first_kv_head: int = 0) -> ExportedPool:
     """The prefill's pool, exported once by the kinds kv.transfer calls for (choice.py); cross_host:
     decodes may be on other hosts (the control plane is tcp://); nixl_net_devices: where a NIXL
-    agent listens (nixl_network.py)."""
+    agent listens (nixl_network.py); first_kv_head: the first of the model's KV heads that this
+    tensor-parallel rank's pool holds (KvPoolHandle)."""
     device = torch.device(device)
     exports: list[Export] = []
     try:
         for kind in offered_kinds(transfer, device.type, cross_host):
             exports.append(_export(kind, layout, name_hint, device, exports[0].pool if exports else None,
-                                   nixl_net_devices))
+                                   nixl_net_devices, first_kv_head))
     except BaseException:
         ExportedPool(exports).close()
         raise
     return ExportedPool(exports)
 
 
-def _export(kind: str, layout: KvLayout, name_hint: str, device: torch.device, pool, nixl_net_devices: str) -> Export:
+def _export(kind: str, layout: KvLayout, name_hint: str, device: torch.device, pool, nixl_net_devices: str,
+            first_kv_head: int) -> Export:
     """pool: the pool another kind already exports, which NIXL registers too."""
     if kind == "nixl":
-        return NixlExport(layout, name_hint, device, pool, nixl_net_devices)
-    exported = CudaIpcExport(layout, device) if kind == "cuda_ipc" else SharedMemoryExport(layout, name_hint)
+        return NixlExport(layout, name_hint, device, pool, nixl_net_devices, first_kv_head)
+    if kind == "cuda_ipc":
+        exported = CudaIpcExport(layout, device, first_kv_head)
+    else:
+        exported = SharedMemoryExport(layout, name_hint, first_kv_head)
     local_exports.add(exported)
     return exported
 

@@ -7,9 +7,12 @@ Who calls what, in which process:
     export_pool(layout, worker id, device)  a Backend per kind of pool, made when the first such
       -> an Export: .pool, which the          pool is announced: what all its pools share (a
          prefill writes; .handle, sent        staging buffer, a registered local pool)
-         once in Register; close() at exit  once per prefill pool (PoolAvailable): backend.open()
-                                              -> a Source: the pool mapped or registered, ready
+         once in Register; close() at exit  once per prefill pool (PoolAvailable), for each
+      (one per tensor-parallel rank)          prefill rank holding some of the decode rank's KV
+                                              heads: backend.open() -> a Source: the pool mapped
+                                              or registered, ready
                                             per request (DecodeTask): source.start(ids) -> Transfer
+                                              from each Source, joined into one
                                             every loop round, per transfer in flight: poll(); one
                                               that is not stream-ordered and outlives the timeout
                                               is cancel()ed
@@ -50,6 +53,18 @@ from shared.kv.pool import PagedKvPool
 
 class TransferError(RuntimeError):
     """A pool that cannot be mapped here, or page ids that do not fit it: nothing was started."""
+
+
+# Some KV heads of every page, in each pool's own head indices: (the source's first, the
+# decode's first, count). Tensor-parallel ranks of a prefill and a decode of other sizes hold
+# different heads, so a decode rank takes its heads from the prefill ranks that hold them.
+HeadSlice = tuple[int, int, int]
+
+
+def whole_pages_only(kind: str) -> TransferError:
+    """A backend that moves raw pages (KvPoolHandle.backend `kind`) cannot move some heads of them."""
+    return TransferError(f"{kind.upper()} moves whole pages: a prefill and a decode of different tensor_parallel sizes "
+                         "pair over shm or cuda_ipc")
 
 
 class TransferState(IntEnum):
@@ -119,9 +134,12 @@ class Source(abc.ABC):
         self.handle = handle
 
     @abc.abstractmethod
-    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> Transfer:
-        """Starts moving pool pages src_pages[i] into the decode's dst_pages[i]. TransferError
-        when a source page is outside the pool; then nothing was started."""
+    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int],
+              heads: HeadSlice | None = None) -> Transfer:
+        """Starts moving pool pages src_pages[i] into the decode's dst_pages[i]: whole pages, or
+        only `heads` of them where the backend has head_slices. TransferError when a source page
+        is outside the pool, or heads are asked of a backend without head_slices; then nothing
+        was started."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -133,6 +151,7 @@ class Backend(abc.ABC):
     """A decode's side of one kind of transfer: what every pool of that kind shares."""
 
     device_types: tuple[str, ...]  # the types of device ("cpu", "cuda") a decode may be on to use it
+    head_slices = False  # whether its sources move some KV heads of each page (Source.start's heads)
 
     def __init__(self, local: PagedKvPool, scratch_page: int):
         """local: the decode's pool; scratch_page: a page of it the backend may overwrite (to

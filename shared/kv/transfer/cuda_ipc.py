@@ -32,14 +32,14 @@ BACKEND = "cuda_ipc"
 class CudaIpcExport:
     """A pool in device memory, exported once as a CUDA IPC handle."""
 
-    def __init__(self, layout: KvLayout, device: torch.device):
+    def __init__(self, layout: KvLayout, device: torch.device, first_kv_head: int = 0):
         self.pool, self._buffer = allocate_local_pool(layout, device)
         offset = self.pool.kv.data_ptr() - self._buffer.data_ptr()
         # The fields of UntypedStorage._share_cuda_, the call torch.multiprocessing uses, then
         # where the aligned pool starts inside the buffer and which GPU holds it.
         shared = self._buffer.untyped_storage()._share_cuda_()  # noqa: SLF001
         locator = msgpack.packb([*shared, offset, device_uuid(self._buffer.device)], use_bin_type=True)
-        self.handle = KvPoolHandle(BACKEND, locator, layout)
+        self.handle = KvPoolHandle(BACKEND, locator, layout, first_kv_head)
 
     def close(self) -> None:
         local_exports.remove(self)

@@ -16,7 +16,7 @@ import torch
 
 from shared.control.messages import KvLayout, KvPoolHandle
 from shared.kv.pool import PagedKvPool, allocate_local_pool
-from shared.kv.transfer.base import Backend, Source, Transfer, TransferError, TransferState
+from shared.kv.transfer.base import Backend, HeadSlice, Source, Transfer, TransferError, TransferState, whole_pages_only
 
 BACKEND = "fake"
 
@@ -33,9 +33,9 @@ _exports: dict[bytes, FakeExport] = {}
 
 
 class FakeExport:
-    def __init__(self, layout: KvLayout, name: str, script: Script = Script()):
+    def __init__(self, layout: KvLayout, name: str, script: Script = Script(), first_kv_head: int = 0):
         self.pool, self._buffer = allocate_local_pool(layout, "cpu")
-        self.handle = KvPoolHandle(BACKEND, name.encode(), layout)
+        self.handle = KvPoolHandle(BACKEND, name.encode(), layout, first_kv_head)
         self.script = script
         _exports[self.handle.locator] = self
 
@@ -85,7 +85,10 @@ class FakeSource(Source):
         self.pool, self.script, self.local = export.pool, export.script, local
         self.transfers: list[FakeTransfer] = []
 
-    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> FakeTransfer:
+    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int],
+              heads: HeadSlice | None = None) -> FakeTransfer:
+        if heads is not None:
+            raise whole_pages_only(BACKEND)
         if len(src_pages) != len(dst_pages):
             raise TransferError(f"{len(src_pages)} source and {len(dst_pages)} destination pages")
         if len(src_pages) and (src_pages.min() < 0 or src_pages.max() >= self.handle.layout.num_pages):

@@ -3,6 +3,8 @@
 The shm and cuda_ipc backends differ only in how they map a pool (map_pool); the rest is here.
 Each pool is mapped once; per request the listed pages are copied for all layers at once, in one
 batched copy (PagedKvPool.copy_pages_from) whose page ids are staged in one reused host buffer.
+Between tensor-parallel ranks of different sizes, a request's copy from each prefill rank moves
+only the KV heads this decode rank takes from it, and JointCopy makes them one transfer.
 
 On a GPU the copy is queued on the decode's current stream (its high-priority stream in the
 worker loop), so the request may join the next step at once: the device runs the step after the
@@ -22,7 +24,7 @@ import torch
 from shared.control.messages import KvPoolHandle
 from shared.kernels.device import Moment, date_moments
 from shared.kv.pool import PagedKvPool
-from shared.kv.transfer.base import Backend, Source, Transfer, TransferError, TransferState
+from shared.kv.transfer.base import Backend, HeadSlice, Source, Transfer, TransferError, TransferState
 from shared.kv.transfer.staging import PageIdStaging
 
 
@@ -51,6 +53,28 @@ class LocalCopy(Transfer):
     def cancel(self, reason: str) -> None:
         # Whatever the decode queues later on its stream runs after the copy: the pages may be freed now.
         self.fail(reason)
+
+
+class JointCopy(Transfer):
+    """One request's copies from several mapped pools (a prefill's tensor-parallel ranks), all
+    started on the decode's stream in turn: the last lands last, and then all have."""
+
+    stream_ordered = True
+
+    def __init__(self, copies: list[LocalCopy]):
+        super().__init__(copies[0].request_id, copies[0].prefill_worker_id)
+        self.copies = copies
+        self.started_at = copies[0].started_at
+        self.advance(TransferState.TRANSFERRING)
+        self.poll()  # on the CPU they are done already
+
+    def poll(self) -> TransferState:
+        if self.state is TransferState.TRANSFERRING and self.copies[-1].poll() is TransferState.DONE:
+            self.land(self.copies[-1].landed)
+        return self.state
+
+    def cancel(self, reason: str) -> None:
+        self.fail(reason)  # as LocalCopy's: what the decode queues later runs after the copies
 
 
 class StreamCopies:
@@ -84,6 +108,8 @@ class StreamCopies:
 
 
 class LocalCopyBackend(Backend):
+    head_slices = True
+
     def __init__(self, local: PagedKvPool, scratch_page: int):
         super().__init__(local, scratch_page)
         # A pull's destination pages are ours, so the pool's page count bounds every list.
@@ -106,20 +132,24 @@ class MappedSource(Source):
         self.mapped = mapped
         self._last: LocalCopy | None = None  # the latest copy that read the mapping
         # One page is copied into the scratch page now, so that the copy kernel is compiled for
-        # this pool before a request needs it (a compile takes hundreds of ms).
-        src, dst = backend.staging.stage(np.zeros(1, dtype=np.int64), [backend.scratch_page], handle.layout.num_pages)
-        backend.local.copy_pages_from(mapped.pool, src, dst)
-        if backend.copies is not None:  # done: nothing reads the ids' slot or (after a close) the mapping
-            torch.cuda.current_stream(backend.local.kv.device).synchronize()
+        # this pool before a request needs it (a compile takes hundreds of ms). Only pools of our
+        # head count move whole pages; some heads of a page move by torch indexing, not compiled.
+        if handle.layout.num_kv_heads == backend.local.layout.num_kv_heads:
+            src, dst = backend.staging.stage(np.zeros(1, dtype=np.int64), [backend.scratch_page],
+                                             handle.layout.num_pages)
+            backend.local.copy_pages_from(mapped.pool, src, dst)
+            if backend.copies is not None:  # done: nothing reads the ids' slot or (after a close) the mapping
+                torch.cuda.current_stream(backend.local.kv.device).synchronize()
 
-    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> LocalCopy:
+    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int],
+              heads: HeadSlice | None = None) -> LocalCopy:
         backend = self.backend
         copy = LocalCopy(request_id, self.prefill_worker_id, backend.copies)
         try:
             src, dst = backend.staging.stage(src_pages, dst_pages, self.handle.layout.num_pages)
         except ValueError as exc:
             raise TransferError(str(exc)) from None
-        backend.local.copy_pages_from(self.mapped.pool, src, dst)
+        backend.local.copy_pages_from(self.mapped.pool, src, dst, heads)
         copy.advance(TransferState.TRANSFERRING)
         if backend.copies is None:
             copy.land()

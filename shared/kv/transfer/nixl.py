@@ -29,7 +29,7 @@ import torch
 
 from shared.control.messages import KvLayout, KvPoolHandle
 from shared.kv.pool import PagedKvPool, allocate_local_pool, layout_bytes, shard_regions
-from shared.kv.transfer.base import Backend, Source, Transfer, TransferError, TransferState
+from shared.kv.transfer.base import Backend, HeadSlice, Source, Transfer, TransferError, TransferState, whole_pages_only
 from shared.kv.transfer.nixl_agent import descriptor_ids, memory_of, new_agent, page_regions
 from shared.kv.transfer.nixl_network import LOOPBACK
 
@@ -45,7 +45,7 @@ class NixlExport:
     export owns; None: a pool of its own. net_devices: where the agent listens (nixl_network.py)."""
 
     def __init__(self, layout: KvLayout, name_hint: str, device: torch.device, pool: PagedKvPool | None = None,
-                 net_devices: str = LOOPBACK):
+                 net_devices: str = LOOPBACK, first_kv_head: int = 0):
         self._buffer = None
         if pool is None:
             pool, self._buffer = allocate_local_pool(layout, device)
@@ -56,7 +56,7 @@ class NixlExport:
         self._registered = self.agent.register_memory([(address, size, device_id, "")], kind)
         # The metadata names the registered memory, so it is taken after the registration.
         locator = msgpack.packb([self.agent.get_agent_metadata(), *memory], use_bin_type=True)
-        self.handle = KvPoolHandle(BACKEND, locator, layout)
+        self.handle = KvPoolHandle(BACKEND, locator, layout, first_kv_head)
 
     def read_notices(self) -> list[str]:
         """The request ids whose pages decodes have finished reading since the last call (each
@@ -136,7 +136,10 @@ class NixlSource(Source):
             raise TransferError(f"cannot prepare reads from {prefill_worker_id}'s NIXL agent: {exc}") from None
         self.users = 1  # this source until closed, and each of its reads until settled
 
-    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> NixlRead:
+    def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int],
+              heads: HeadSlice | None = None) -> NixlRead:
+        if heads is not None:
+            raise whole_pages_only(BACKEND)
         backend, layout = self.backend, self.handle.layout
         dst = np.asarray(dst_pages, dtype=np.int64)
         if len(src_pages) != len(dst):

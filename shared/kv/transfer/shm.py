@@ -27,13 +27,13 @@ BACKEND = "shm"
 class SharedMemoryExport:
     """A pool in a POSIX shared-memory segment that peers may map; close() releases it for good."""
 
-    def __init__(self, layout: KvLayout, name_hint: str):
+    def __init__(self, layout: KvLayout, name_hint: str, first_kv_head: int = 0):
         # The random token: a decode on another host never finds a segment of this name, so one
         # that opens is this one (shared/kv/transfer/choice.py). The pid last, for leak checks.
         name = f"pdserve-kv-{name_hint}-{secrets.token_hex(4)}-{os.getpid()}"
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=layout_bytes(layout))
         self.pool = PagedKvPool(layout, torch.frombuffer(self._shm.buf, dtype=torch.uint8))
-        self.handle = KvPoolHandle(BACKEND, self._shm.name.encode(), layout)
+        self.handle = KvPoolHandle(BACKEND, self._shm.name.encode(), layout, first_kv_head)
 
     def close(self) -> None:
         local_exports.remove(self)

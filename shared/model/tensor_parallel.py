@@ -1,0 +1,108 @@
+"""Megatron-style tensor parallelism: each rank of a group holds a slice of every layer and the
+ranks sum their partial outputs twice a layer.
+
+  qkv, gate_up   column-parallel: a rank's rows are its query heads and KV heads (shared/kv/heads.py),
+                 its part of the gate rows and of the up rows; attention and SiLU then run on
+                 the rank's heads and columns alone, with nothing exchanged;
+  o_proj, down   row-parallel: a rank's input columns, so its product is a partial sum of the full
+                 output, which all_reduce completes before the residual add;
+  lm_head        a rank's vocabulary rows, the logits gathered (gather_vocab);
+  the rest       embeddings, norms and RoPE tables, replicated.
+
+Every rank runs the same steps on the same tokens, each over its own KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shared.kv.heads import check_tensor_parallel, kv_heads_of
+from shared.model.weights import LayerWeights, LlamaWeights
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object = None  # a torch.distributed ProcessGroup of `size` ranks; None at size 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x in place over the group: the row-parallel products' partial sums."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's [B, V/size] slice of the vocabulary -> [B, V] on every rank."""
+        if self.size == 1:
+            return logits
+        slices = [torch.empty_like(logits) for _ in range(self.size)]
+        dist.all_gather(slices, logits.contiguous(), group=self.group)
+        return torch.cat(slices, dim=-1)
+
+
+SINGLE = TensorParallel()
+
+
+def check_shardable(config, size: int) -> None:
+    """ValueError, saying why, for a group size the model's heads or MLP columns cannot be split by."""
+    check_tensor_parallel(size, config.num_attention_heads, config.num_key_value_heads)
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel {size} does not divide the model's {config.intermediate_size} "
+                         "MLP columns")
+
+
+def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWeights:
+    """Rank tp.rank's slice of the model, every sliced tensor a copy so the full ones can be freed."""
+    check_shardable(config, tp.size)
+    if tp.size == 1:
+        return weights
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_columns = _part(tp, config.num_attention_heads * head_dim)
+    kv_heads = kv_heads_of(tp.rank, tp.size, config.num_key_value_heads)
+    kv_rows = slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    qkv_rows = [q_columns, _shift(kv_rows, q_size), _shift(kv_rows, q_size + kv_size)]
+    mlp_columns = _part(tp, config.intermediate_size)
+    gate_up_rows = [mlp_columns, _shift(mlp_columns, config.intermediate_size)]
+    layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns) for layer in weights.layers]
+    return LlamaWeights(embed=weights.embed, final_norm=weights.final_norm, lm_head=_vocab_rows(weights.lm_head, tp),
+                        cos=weights.cos, sin=weights.sin, layers=layers)
+
+
+def _shard_layer(layer: LayerWeights, qkv_rows: list[slice], q_columns: slice, gate_up_rows: list[slice],
+                 mlp_columns: slice) -> LayerWeights:
+    """Column-parallel weights (and their biases and scales, per output row) cut by rows; row-parallel
+    ones by input columns, their scales per output channel whole."""
+    return LayerWeights(
+        input_norm=layer.input_norm, post_norm=layer.post_norm,
+        qkv=_rows(layer.qkv, qkv_rows), qkv_bias=_rows(layer.qkv_bias, qkv_rows),
+        qkv_scale=_rows(layer.qkv_scale, qkv_rows),
+        o_proj=layer.o_proj[:, q_columns].contiguous(), o_proj_scale=layer.o_proj_scale,
+        gate_up=_rows(layer.gate_up, gate_up_rows), gate_up_scale=_rows(layer.gate_up_scale, gate_up_rows),
+        down=layer.down[:, mlp_columns].contiguous(), down_scale=layer.down_scale,
+    )
+
+
+def _vocab_rows(lm_head: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The rank's rows of the vocabulary, padded with zero rows to an equal share (the padding's
+    logits are gathered, then trimmed by the model)."""
+    per_rank = -(-len(lm_head) // tp.size)
+    rows = lm_head[tp.rank * per_rank: (tp.rank + 1) * per_rank]
+    return torch.cat([rows, rows.new_zeros(per_rank - len(rows), rows.shape[1])])
+
+
+def _part(tp: TensorParallel, total: int) -> slice:
+    share = total // tp.size
+    return slice(tp.rank * share, (tp.rank + 1) * share)
+
+
+def _shift(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
+def _rows(tensor: torch.Tensor | None, rows: list[slice]) -> torch.Tensor | None:
+    return None if tensor is None else torch.cat([tensor[r] for r in rows])
