@@ -15,6 +15,8 @@ threads."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -150,3 +152,31 @@ def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):
     assert cached == shared
     assert got_first == expected_first[0], f"{kv_dtype} first prompt"
     assert got_second == expected_second[0], f"{kv_dtype} prompt after a cached prefix"
+
+
+def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(stack, model, tokenizer, kv_dtype):
+    """Tensor parallelism with int8 pages (shared/worker/ranks.py): a prefill of 3 ranks, one KV head
+    each, takes over from prefill-0 (last in this module: the stack's prefill is gone after it);
+    decode-0 copies each rank's head and its scales into its own
+    pages. Its sums run in another order than the in-process run's (three partial products), so the
+    tokens may part only where the reference's top two logits are closer than that effect allows."""
+    if kv_dtype != "int8":
+        pytest.skip("int8 is the quantized format the tensor-parallel check runs with; float8 pages move alike")
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    reference = QuantizedReference(model, kv_dtype)
+    pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in prompts]
+    expected = [reference.greedy(ids, p) for ids, p in zip(prompts, pages)]
+    reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(prompts, pages)]
+    order_effect = max(float((a - b).abs().max()) for (_, x), (_, y) in zip(expected, reordered) for a, b in zip(x, y))
+    stack.start("prefill-1", {"PDSERVE_PREFILL_TENSOR_PARALLEL": "3"})
+    deadline = time.monotonic() + stack.start_timeout_s
+    while "prefill-1" not in {w.worker_id for w in stack.workers()}:
+        assert stack.processes["prefill-1"].poll() is None, stack.tail("prefill-1")
+        assert time.monotonic() < deadline, "the prefill of three ranks never registered"
+        time.sleep(0.2)
+    stack.signal("prefill-0", signal.SIGTERM)
+    assert stack.processes["prefill-0"].wait(timeout=120) == 0
+    for ids, (tokens, logits) in zip(prompts, expected):
+        assert_matches_reference(_generate(stack, ids)[0], tokens, logits, f"TP 3 int8 prompt of {len(ids)}",
+                                 tie=2 * order_effect)
+    stack.assert_pools_drained()

@@ -135,10 +135,8 @@ def test_a_rank_killed_under_load_takes_its_worker_down_and_the_group_serves_aga
         _wait_decoding(stack, "decode-1", len(calls))
         os.kill(followers[-1], signal.SIGKILL)
         results = [outcome.result(timeout=RPC_TIMEOUT_S) for outcome in outcomes]
-    # Each call ends, with its tokens or with an explicit status naming the worker's end: none hangs.
-    for status, details in results:
-        assert status in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), (status, details)
-    assert grpc.StatusCode.UNAVAILABLE in {status for status, _ in results}, results
+    # Each call ends with an explicit status, none hangs: 400 tokens take far longer than the kill.
+    assert [status for status, _ in results] == [grpc.StatusCode.UNAVAILABLE] * len(calls), results
     assert decode.wait(timeout=RPC_TIMEOUT_S) != 0, "rank 0 went on without a rank"
     _wait_gone(followers)
     stack.start("decode-1")  # what the supervisor does, and systemd: the group starts again as one

@@ -14,7 +14,7 @@ import time
 import structlog
 
 from services.decode.kv_pull import HandoffError, KvPuller
-from services.decode.rank_engine import MAP_POOL, PULL, STEP, UNMAP_POOL, build_decode_rank, follow_step
+from services.decode.rank_engine import MAP_POOL, PULL, STEP, UNMAP_POOL, build_rank_engine, follow_step
 from shared.control import wire
 from shared.kernels.device import on_stream
 from shared.kv.transfer import Transfer, TransferState
@@ -28,11 +28,11 @@ LANDING_POLL_S = 0.001
 
 def follow(worker: WorkerProcess) -> None:
     config, model, ranks = worker.config, worker.model, worker.ranks
-    rank = build_decode_rank(config, model, ranks, lambda pages: None)  # rank 0's allocator owns the page ids
-    puller = rank.puller
+    engine = build_rank_engine(config, model, ranks, lambda pages: None)  # rank 0's allocator owns the page ids
+    puller = engine.puller
     log.info("decode rank following", rank=ranks.tp.rank)
     try:
-        with on_stream(rank.stream):
+        with on_stream(engine.stream):
             while True:
                 name, args = ranks.follow()
                 if name == STOP:
@@ -46,7 +46,7 @@ def follow(worker: WorkerProcess) -> None:
                     task, pages = wire.decode(args[0]), args[1]
                     ranks.all_agree(_pulled(puller, task, pages))
                 elif name == STEP:
-                    rank.step(follow_step(ranks, *args, model.device))
+                    engine.step(follow_step(ranks, *args, model.device))
     finally:
         puller.close()
         ranks.close()

@@ -33,7 +33,7 @@ STEP = "step"              # [batch, page-table width]; the inputs follow by bro
 
 
 @dataclass
-class DecodeRank:
+class RankEngine:
     model: PagedLlama
     pool: PagedKvPool
     pool_buffer: torch.Tensor  # keeps the pool's memory alive
@@ -51,8 +51,8 @@ class DecodeRank:
         return logits
 
 
-def build_decode_rank(config: Config, model: PagedLlama, ranks: RankGroup,
-                      free_pages: Callable[[list[int]], None]) -> DecodeRank:
+def build_rank_engine(config: Config, model: PagedLlama, ranks: RankGroup,
+                      free_pages: Callable[[list[int]], None]) -> RankEngine:
     """One page more than the allocator hands out: the CUDA graphs' padding rows write there, and
     the puller's copy of a newly mapped pool. free_pages: gives pages back to the allocator (rank 0's)."""
     layout = model.kv_layout(config.kv.decode_pages + 1, config.kv.page_size, config.kv.dtype)
@@ -68,7 +68,7 @@ def build_decode_rank(config: Config, model: PagedLlama, ranks: RankGroup,
     if model.device.type == "cuda" and sizes:
         with on_stream(stream):
             graphs = GraphedDecode(model, pool, scratch_page, max_pages, sizes)
-    return DecodeRank(model, pool, buffer, scratch_page, max_pages, puller, stream, graphs)
+    return RankEngine(model, pool, buffer, scratch_page, max_pages, puller, stream, graphs)
 
 
 def lead_step(ranks: RankGroup, inputs: StepInputs) -> None:

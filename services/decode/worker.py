@@ -24,7 +24,7 @@ from collections import deque
 import structlog
 
 from services.decode.kv_pull import HandoffError
-from services.decode.rank_engine import MAP_POOL, PULL, UNMAP_POOL, build_decode_rank, lead_step
+from services.decode.rank_engine import MAP_POOL, PULL, UNMAP_POOL, build_rank_engine, lead_step
 from services.decode.step_inputs import DecodingRequest, StepInputBuilder
 from shared.control import wire
 from shared.control.dispatch import FatalError
@@ -79,15 +79,15 @@ class DecodeWorker(WorkerLoop):
         self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
         self.allocator = PageAllocator(config.kv.decode_pages)
-        self.rank = build_decode_rank(config, model, worker.ranks, self.allocator.free)
-        self.pool, self.puller = self.rank.pool, self.rank.puller
-        self.inputs = StepInputBuilder(self.max_batch_size, self.rank.max_pages, self.pool.layout.page_size,
+        self.engine = build_rank_engine(config, model, worker.ranks, self.allocator.free)
+        self.pool, self.puller = self.engine.pool, self.engine.puller
+        self.inputs = StepInputBuilder(self.max_batch_size, self.engine.max_pages, self.pool.layout.page_size,
                                        model.device)
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.pulling: dict[str, DecodingRequest] = {}   # kept out of the batch until their transfer is DONE
         self.last_busy = float("-inf")
-        stream = self.rank.stream
+        stream = self.engine.stream
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, self.pool.layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
@@ -219,7 +219,7 @@ class DecodeWorker(WorkerLoop):
         started = mark(self.model.device) if joining else None
         inputs = self.inputs.build(self.running)
         lead_step(self.ranks, inputs)
-        logits = self.rank.step(inputs)
+        logits = self.engine.step(inputs)
         tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
         self._acknowledge_pulls()  # sample waited for the step, so for the copies before it: KvPulled goes first
         joined = self._joined(joining, started) if joining else []

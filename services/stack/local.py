@@ -168,14 +168,15 @@ class LocalStack:
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{service_name(name)}.log"
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, env: dict[str, str] | None = None) -> None:
         """Starts a service: the router, a worker by id (one beyond the layout too: "decode-3"
-        joins with a free metrics port), or a module."""
+        joins with a free metrics port), or a module; env: settings of this start alone."""
         name = service_name(name)
         plan = self._worker(name)
         module = f"services.{plan.role.value}" if plan else name if "." in name else f"services.{name}"
         env = {**self.env, **(plan.env() if plan else {}),
-               **(self.service_env.get(plan.role.value, {}) if plan else {}), **self.service_env.get(name, {})}
+               **(self.service_env.get(plan.role.value, {}) if plan else {}), **self.service_env.get(name, {}),
+               **(env or {})}
         args = self.launcher_args if module == "services.stack" else ()
         self.supervisor.start(Service(name, module, args, env, self.log_path(name)))
 

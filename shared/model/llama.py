@@ -1,9 +1,10 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV pool.
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV pool.
 
 transformers loads the weights; this module runs them, because transformers' caches cannot do
 paged continuous batching. Numerics follow transformers' LlamaModel (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so greedy tokens match it; q/k/v and gate/up are
-fused into one matmul each.
+fused into one matmul each. Qwen3 adds an RMSNorm over each head's q and k between the projection
+and RoPE (LayerWeights.q_norm, k_norm), as Qwen3Attention does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shared.kv.heads import kv_heads_of
 from shared.kv.pool import PagedKvPool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
-from shared.model.loader import config_dict
+from shared.model.loader import UnsupportedModel, config_dict
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.linear_choice import LinearChooser
 from shared.model.quantization import fp8_linear
@@ -51,6 +52,7 @@ class PagedLlama:
         self.max_context = config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
+        _check_head_norms(config, weights)
         self.weights = weights
         self.embed, self.final_norm, self.lm_head = weights.embed, weights.final_norm, weights.lm_head
         self.cos, self.sin, self.layers = weights.cos, weights.sin, weights.layers
@@ -87,9 +89,19 @@ class PagedLlama:
         qkv = linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_scale, layer.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self._rope(q.view(-1, self.num_heads, self.head_dim), positions)
-        k = self._rope(k.view(-1, self.num_kv_heads, self.head_dim), positions)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        return self._rope(q, positions), self._rope(k, positions), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def _norm_heads_in_place(self, layer: LayerWeights, qkv: torch.Tensor) -> None:
+        """q_norm and k_norm over the q and k heads of a fused projection, written back into it,
+        where rope_write_kv reads them. The Triton RMSNorm takes rows of one stride, which a row's
+        heads are not across rows: each part is copied out and back."""
+        heads = qkv.view(len(qkv), -1, self.head_dim)
+        q_heads, k_heads = heads[:, : self.num_heads], heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
+        for part, weight in ((q_heads, layer.q_norm), (k_heads, layer.k_norm)):
+            part.copy_(fused_triton.rms_norm(part.reshape(-1, self.head_dim), weight, self.eps).view_as(part))
 
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
@@ -149,7 +161,7 @@ class PagedLlama:
         pool.write(index, *slots, k, v)
         staged.write(begin, k, v)
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale))
+        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         x.copy_(self._mlp_block(layer, x + attn))
 
     def _layer_chunk_fused(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
@@ -162,7 +174,7 @@ class PagedLlama:
         q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
         staged.v[begin:end] = v
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
-        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale))
+        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
         mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
@@ -173,6 +185,8 @@ class PagedLlama:
         """A chunk's q and v as _qkv computes them, its rotated k written to k_out; K and V go to the
         pages (quantized where they are) in the same Triton kernel as the RoPE, as the decode writes them."""
         qkv = linear(fused_triton.rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_scale, layer.qkv_bias)
+        if layer.q_norm is not None:
+            self._norm_heads_in_place(layer, qkv)
         q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index),
                                        pages, offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                        pool.key_scale(index), pool.value_scale(index), k_out)
@@ -195,7 +209,8 @@ class PagedLlama:
             pool.write(i, pages, offsets, k, v)
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i))
-            x = x + self.tp.all_reduce(linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale))
+            x = x + self.tp.all_reduce(linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale,
+                                              layer.o_proj_bias))
             x = self._mlp_block(layer, x)
         return self._logits(x)
 
@@ -211,19 +226,29 @@ class PagedLlama:
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for i, layer in enumerate(self.layers):
             qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale)
+            if layer.q_norm is not None:
+                self._norm_heads_in_place(layer, qkv)
             q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(i), pool.value(i), pages,
                                            offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                            pool.key_scale(i), pool.value_scale(i))
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i), self.fp8_query)
-            attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj,
-                                                         scale=layer.o_proj_scale))
+            attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj, layer.o_proj_bias,
+                                                         layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
             mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
                                                         scale=layer.down_scale))
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
         return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()
+
+
+def _check_head_norms(config, weights: LlamaWeights) -> None:
+    """Qwen3 without its per-head q/k norms would run and answer wrongly: weights built elsewhere than
+    from transformers' model (shared/model/fp8_weights.py) may not read them."""
+    if config.model_type == "qwen3" and weights.layers[0].q_norm is None:
+        raise UnsupportedModel("these qwen3 weights lack the per-head q_norm/k_norm (FP8 checkpoints of qwen3 "
+                               "are read without them)")
 
 
 def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantization: str = "none",

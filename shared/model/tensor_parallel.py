@@ -5,9 +5,10 @@ ranks sum their partial outputs twice a layer.
                  its part of the gate rows and of the up rows; attention and SiLU then run on
                  the rank's heads and columns alone, with nothing exchanged;
   o_proj, down   row-parallel: a rank's input columns, so its product is a partial sum of the full
-                 output, which all_reduce completes before the residual add;
+                 output, which all_reduce completes before the residual add (o_proj's bias, where
+                 there is one, added by rank 0 alone, so the sum holds it once);
   lm_head        a rank's vocabulary rows, the logits gathered (gather_vocab);
-  the rest       embeddings, norms and RoPE tables, replicated.
+  the rest       embeddings, norms (Qwen3's per-head q/k norms too) and RoPE tables, replicated.
 
 Every rank runs the same steps on the same tokens, each over its own KV pool.
 """
@@ -68,13 +69,14 @@ def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWei
     qkv_rows = [q_columns, _shift(kv_rows, q_size), _shift(kv_rows, q_size + kv_size)]
     mlp_columns = _part(tp, config.intermediate_size)
     gate_up_rows = [mlp_columns, _shift(mlp_columns, config.intermediate_size)]
-    layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns) for layer in weights.layers]
+    layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns, adds_bias=tp.rank == 0)
+              for layer in weights.layers]
     return LlamaWeights(embed=weights.embed, final_norm=weights.final_norm, lm_head=_vocab_rows(weights.lm_head, tp),
                         cos=weights.cos, sin=weights.sin, layers=layers)
 
 
 def _shard_layer(layer: LayerWeights, qkv_rows: list[slice], q_columns: slice, gate_up_rows: list[slice],
-                 mlp_columns: slice) -> LayerWeights:
+                 mlp_columns: slice, adds_bias: bool) -> LayerWeights:
     """Column-parallel weights (and their biases and scales, per output row) cut by rows; row-parallel
     ones by input columns, their scales per output channel whole."""
     return LayerWeights(
@@ -82,6 +84,7 @@ def _shard_layer(layer: LayerWeights, qkv_rows: list[slice], q_columns: slice, g
         qkv=_rows(layer.qkv, qkv_rows), qkv_bias=_rows(layer.qkv_bias, qkv_rows),
         qkv_scale=_rows(layer.qkv_scale, qkv_rows),
         o_proj=layer.o_proj[:, q_columns].contiguous(), o_proj_scale=layer.o_proj_scale,
+        o_proj_bias=layer.o_proj_bias if adds_bias else None, q_norm=layer.q_norm, k_norm=layer.k_norm,
         gate_up=_rows(layer.gate_up, gate_up_rows), gate_up_scale=_rows(layer.gate_up_scale, gate_up_rows),
         down=layer.down[:, mlp_columns].contiguous(), down_scale=layer.down_scale,
     )

@@ -24,6 +24,11 @@ class LayerWeights:
     o_proj_scale: torch.Tensor | None = None
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    # Models with attention_bias (Llama, Qwen3) have one; Qwen2 biases q/k/v alone.
+    o_proj_bias: torch.Tensor | None = None
+    # Qwen3's RMSNorms [head_dim] over each head's q and k, before RoPE; None for models without.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def quantize_fp8(self) -> None:
         """Replaces each linear weight by its FP8 form and scale, freeing the original."""
@@ -76,6 +81,9 @@ class LlamaWeights:
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
             down=mlp.down_proj.weight.detach(),
+            o_proj_bias=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
+            q_norm=_head_norm(attn, "q_norm"),
+            k_norm=_head_norm(attn, "k_norm"),
         )
 
     def named(self) -> dict[str, torch.Tensor]:
@@ -91,6 +99,11 @@ class LlamaWeights:
         layers = [LayerWeights(**{f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
                   for i in range(num_layers)]
         return cls(*(tensors[name] for name in ("embed", "final_norm", "lm_head", "cos", "sin")), layers)
+
+
+def _head_norm(attn, name: str) -> torch.Tensor | None:
+    norm = getattr(attn, name, None)
+    return None if norm is None else norm.weight.detach()
 
 
 def rope_tables(rotary, max_context: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
