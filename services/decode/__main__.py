@@ -4,19 +4,8 @@ decode.tensor_parallel > 1, its rank 0, which starts the other ranks (services/d
 from services.decode import follower
 from services.decode.worker import DecodeWorker
 from shared.control.messages import Role
-from shared.runtime import metrics
-from shared.worker.main import exit_on_error, start_worker
-
-
-def main() -> None:
-    worker = start_worker(Role.DECODE)
-    if not worker.ranks.leads:
-        follower.follow(worker)
-        return
-    decode = DecodeWorker(worker)
-    metrics.watch_workers([decode.load])
-    decode.run()
-
+from shared.worker.loop import serve
+from shared.worker.main import exit_on_error
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(lambda: serve(Role.DECODE, DecodeWorker, follower.follow))

@@ -4,19 +4,8 @@ with prefill.tensor_parallel > 1, its rank 0, which starts the other ranks (serv
 from services.prefill import follower
 from services.prefill.worker import PrefillWorker
 from shared.control.messages import Role
-from shared.runtime import metrics
-from shared.worker.main import exit_on_error, start_worker
-
-
-def main() -> None:
-    worker = start_worker(Role.PREFILL)
-    if not worker.ranks.leads:
-        follower.follow(worker)
-        return
-    prefill = PrefillWorker(worker)
-    metrics.watch_workers([prefill.load])
-    prefill.run()
-
+from shared.worker.loop import serve
+from shared.worker.main import exit_on_error
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(lambda: serve(Role.PREFILL, PrefillWorker, follower.follow))

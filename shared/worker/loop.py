@@ -3,11 +3,15 @@
     link.start()            register with the router (a handshake: Registered or Refused; a stop
                             signal meanwhile ends it)
     loop until stopped:     ping the watchdog, tell the link the loop came round, run the
-                            handlers of what arrived (waiting receive_timeout_s() at most), step()
+                            handlers of what arrived (waiting receive_timeout_s() at most), step(),
+                            tick the other ranks if they have heard nothing for long
     draining (SIGTERM, or the router's Drain): send Draining, go on until the router answers
                             Drained (nothing of ours is in flight any more) or worker.drain_timeout_s
     on the way out:         fail what it still holds (Failed, so callers hear it at once),
-                            deregister, close()
+                            deregister, close(), stop the other ranks
+
+Only rank 0 of a tensor-parallel worker runs it (serve(), a worker process's main); its other
+ranks follow rank 0's commands (shared/worker/ranks.py).
 
 A worker subclass provides: `role`, its handlers, load() (what its heartbeat reports),
 receive_timeout_s(), step(), forget_all() (drop every request without a word: the router has
@@ -29,7 +33,8 @@ from shared.control.dispatch import Dispatcher
 from shared.control.messages import PROTOCOL_VERSION, Drain, Drained, Draining, KvPoolHandle, Register, Role
 from shared.control.router_link import RouterLink, WorkerLoad
 from shared.kernels.device import on_stream
-from shared.worker.main import WorkerProcess
+from shared.runtime import metrics
+from shared.worker.main import WorkerProcess, start_worker
 
 log = structlog.get_logger()
 
@@ -120,3 +125,16 @@ class WorkerLoop(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases what the worker owns (its exported pool, its mappings), after deregistering."""
+
+
+def serve(role: Role, worker_loop: Callable[[WorkerProcess], WorkerLoop],
+          follow: Callable[[WorkerProcess], None]) -> None:
+    """A worker process's main: rank 0 (every worker without tensor parallelism) runs the worker's
+    loop; the other ranks follow it (shared/worker/ranks.py)."""
+    worker = start_worker(role)
+    if not worker.ranks.leads:
+        follow(worker)
+        return
+    loop = worker_loop(worker)
+    metrics.watch_workers([loop.load])
+    loop.run()
