@@ -1,10 +1,12 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV pool.
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM, and the MoE Mixtral and Qwen3-MoE)
+over the paged KV pool.
 
 transformers loads the weights; this module runs them, because transformers' caches cannot do
 paged continuous batching. Numerics follow transformers' LlamaModel (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so greedy tokens match it; q/k/v and gate/up are
 fused into one matmul each. Qwen3 adds an RMSNorm over each head's q and k between the projection
-and RoPE (LayerWeights.q_norm, k_norm), as Qwen3Attention does.
+and RoPE (LayerWeights.q_norm, k_norm), as Qwen3Attention does. Mixtral and Qwen3-MoE replace the
+dense MLP by experts in some or all layers (LayerWeights.moe, shared/model/moe.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from shared.model import attention, presets
 from shared.model.loader import UnsupportedModel, config_dict
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.linear_choice import LinearChooser
+from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
 from shared.model.quantization import fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
 from shared.model.weights import LayerWeights, LlamaWeights
@@ -53,6 +56,7 @@ class PagedLlama:
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
         _check_head_norms(config, weights)
+        self.routing = Routing.of(config, weights.embed.dtype)
         self.weights = weights
         self.embed, self.final_norm, self.lm_head = weights.embed, weights.final_norm, weights.lm_head
         self.cos, self.sin, self.layers = weights.cos, weights.sin, weights.layers
@@ -104,8 +108,16 @@ class PagedLlama:
             part.copy_(fused_triton.rms_norm(part.reshape(-1, self.head_dim), weight, self.eps).view_as(part))
 
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
+        hidden = self._rms_norm(x, layer.post_norm)
+        if layer.moe is not None:
+            return x + self.tp.all_reduce(self._experts(layer, hidden))
+        gate, up = linear(hidden, layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
         return x + self.tp.all_reduce(linear(F.silu(gate) * up, layer.down, layer.down_scale))
+
+    def _experts(self, layer: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's MLP output (this rank's partial sum under tensor parallelism)."""
+        routing = self.routing
+        return moe_forward(hidden, layer.moe, routing.top_k, routing.renormalize, routing.weights_dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._whole_vocab(F.linear(self._rms_norm(x, self.final_norm), self.lm_head)).float()
@@ -176,8 +188,11 @@ class PagedLlama:
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
-        gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
-        mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
+        if layer.moe is not None:
+            mlp = self.tp.all_reduce(self._experts(layer, hidden))
+        else:
+            gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
+            mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
         torch.add(residual, mlp, out=x)
 
     def _fused_qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
@@ -236,9 +251,12 @@ class PagedLlama:
             attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj, layer.o_proj_bias,
                                                          layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
-            gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
-            mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
-                                                        scale=layer.down_scale))
+            if layer.moe is not None:
+                mlp = self.tp.all_reduce(self._experts(layer, hidden))
+            else:
+                gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
+                mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
+                                                            scale=layer.down_scale))
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
         return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()
 
@@ -246,7 +264,7 @@ class PagedLlama:
 def _check_head_norms(config, weights: LlamaWeights) -> None:
     """Qwen3 without its per-head q/k norms would run and answer wrongly: weights built elsewhere than
     from transformers' model (shared/model/fp8_weights.py) may not read them."""
-    if config.model_type == "qwen3" and weights.layers[0].q_norm is None:
+    if config.model_type in ("qwen3", "qwen3_moe") and weights.layers[0].q_norm is None:
         raise UnsupportedModel("these qwen3 weights lack the per-head q_norm/k_norm (FP8 checkpoints of qwen3 "
                                "are read without them)")
 
@@ -258,6 +276,7 @@ def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantizati
     a checkpoint stored in FP8 loads as it is stored, whatever quantization says. With tp of more
     than one rank, the rank's shard of it (_load_shard)."""
     torch_dtype = getattr(torch, dtype)
+    _refuse_fp8_experts(checkpoint, quantization)
     if tp.size > 1:
         return _load_shard(checkpoint, torch_dtype, device, quantization, tp)
     if presets.is_random(str(checkpoint)):
@@ -277,6 +296,15 @@ def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantizati
         for layer in model.layers:
             layer.quantize_fp8()
     return model
+
+
+def _refuse_fp8_experts(checkpoint: Path | str, quantization: str) -> None:
+    """FP8 is not implemented for experts: refused before gigabytes are loaded, or an FP8 checkpoint's
+    expert tensors read as if it were dense."""
+    fields = config_dict(checkpoint)
+    if fields.get("model_type") in MOE_MODEL_TYPES and (quantization == "fp8" or is_fp8_checkpoint(fields)):
+        raise UnsupportedModel("FP8 weights for a mixture-of-experts model are not implemented: serve an "
+                               'unquantized checkpoint with model.quantization = "none"')
 
 
 def _load_shard(checkpoint: Path | str, dtype: torch.dtype, device: str, quantization: str,

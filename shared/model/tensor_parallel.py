@@ -7,8 +7,12 @@ ranks sum their partial outputs twice a layer.
   o_proj, down   row-parallel: a rank's input columns, so its product is a partial sum of the full
                  output, which all_reduce completes before the residual add (o_proj's bias, where
                  there is one, added by rank 0 alone, so the sum holds it once);
+  experts        each expert cut as the dense MLP is: its gate and up rows, its down's input columns, so
+                 the rank's weighted sum over its experts' shares is a partial sum of the MLP's output
+                 (shared/model/moe.py);
   lm_head        a rank's vocabulary rows, the logits gathered (gather_vocab);
-  the rest       embeddings, norms (Qwen3's per-head q/k norms too) and RoPE tables, replicated.
+  the rest       embeddings, norms (Qwen3's per-head q/k norms too), the MoE router and RoPE tables,
+                 replicated.
 
 Every rank runs the same steps on the same tokens, each over its own KV pool.
 """
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shared.kv.heads import check_tensor_parallel, kv_heads_of
+from shared.model.moe import MoeWeights
 from shared.model.weights import LayerWeights, LlamaWeights
 
 
@@ -51,9 +56,10 @@ SINGLE = TensorParallel()
 def check_shardable(config, size: int) -> None:
     """ValueError, saying why, for a group size the model's heads or MLP columns cannot be split by."""
     check_tensor_parallel(size, config.num_attention_heads, config.num_key_value_heads)
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel {size} does not divide the model's {config.intermediate_size} "
-                         "MLP columns")
+    for name in ("intermediate_size", "moe_intermediate_size"):  # the dense MLP's; Qwen3-MoE's experts'
+        columns = getattr(config, name, None)
+        if columns and columns % size:
+            raise ValueError(f"tensor_parallel {size} does not divide the model's {columns} MLP columns ({name})")
 
 
 def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWeights:
@@ -69,14 +75,13 @@ def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWei
     qkv_rows = [q_columns, _shift(kv_rows, q_size), _shift(kv_rows, q_size + kv_size)]
     mlp_columns = _part(tp, config.intermediate_size)
     gate_up_rows = [mlp_columns, _shift(mlp_columns, config.intermediate_size)]
-    layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns, adds_bias=tp.rank == 0)
-              for layer in weights.layers]
+    layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns, tp) for layer in weights.layers]
     return LlamaWeights(embed=weights.embed, final_norm=weights.final_norm, lm_head=_vocab_rows(weights.lm_head, tp),
                         cos=weights.cos, sin=weights.sin, layers=layers)
 
 
 def _shard_layer(layer: LayerWeights, qkv_rows: list[slice], q_columns: slice, gate_up_rows: list[slice],
-                 mlp_columns: slice, adds_bias: bool) -> LayerWeights:
+                 mlp_columns: slice, tp: TensorParallel) -> LayerWeights:
     """Column-parallel weights (and their biases and scales, per output row) cut by rows; row-parallel
     ones by input columns, their scales per output channel whole."""
     return LayerWeights(
@@ -84,10 +89,18 @@ def _shard_layer(layer: LayerWeights, qkv_rows: list[slice], q_columns: slice, g
         qkv=_rows(layer.qkv, qkv_rows), qkv_bias=_rows(layer.qkv_bias, qkv_rows),
         qkv_scale=_rows(layer.qkv_scale, qkv_rows),
         o_proj=layer.o_proj[:, q_columns].contiguous(), o_proj_scale=layer.o_proj_scale,
-        o_proj_bias=layer.o_proj_bias if adds_bias else None, q_norm=layer.q_norm, k_norm=layer.k_norm,
+        o_proj_bias=layer.o_proj_bias if tp.rank == 0 else None, q_norm=layer.q_norm, k_norm=layer.k_norm,
         gate_up=_rows(layer.gate_up, gate_up_rows), gate_up_scale=_rows(layer.gate_up_scale, gate_up_rows),
-        down=layer.down[:, mlp_columns].contiguous(), down_scale=layer.down_scale,
+        down=None if layer.down is None else layer.down[:, mlp_columns].contiguous(), down_scale=layer.down_scale,
+        moe=None if layer.moe is None else _shard_experts(layer.moe, tp),
     )
+
+
+def _shard_experts(moe: MoeWeights, tp: TensorParallel) -> MoeWeights:
+    intermediate = moe.down.shape[2]
+    columns = _part(tp, intermediate)
+    gate_up = torch.cat([moe.gate_up[:, columns], moe.gate_up[:, _shift(columns, intermediate)]], dim=1)
+    return MoeWeights(router=moe.router, gate_up=gate_up, down=moe.down[:, :, columns].contiguous())
 
 
 def _vocab_rows(lm_head: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

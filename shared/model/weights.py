@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from shared.model.loader import UnsupportedModel
+from shared.model.moe import MoeWeights, check_supported
 from shared.model.quantization import quantize_weight
 
 
@@ -17,8 +19,8 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # the dense MLP's; None in a layer of experts
+    down: torch.Tensor | None
     # FP8 weights' scales per output channel (shared/model/quantization.py); None in the model's dtype.
     qkv_scale: torch.Tensor | None = None
     o_proj_scale: torch.Tensor | None = None
@@ -29,13 +31,31 @@ class LayerWeights:
     # Qwen3's RMSNorms [head_dim] over each head's q and k, before RoPE; None for models without.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # The experts that replace the dense MLP in a mixture-of-experts layer (shared/model/moe.py).
+    moe: MoeWeights | None = None
 
     def quantize_fp8(self) -> None:
         """Replaces each linear weight by its FP8 form and scale, freeing the original."""
+        if self.moe is not None:
+            raise UnsupportedModel("FP8 weights for a mixture-of-experts model are not implemented: "
+                                   'serve it with model.quantization = "none"')
         for name in QUANTIZED:
             weight, scale = quantize_weight(getattr(self, name))
             setattr(self, name, weight)
             setattr(self, f"{name}_scale", scale)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name, the experts' as moe.<name>."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "moe"}
+        if self.moe is not None:
+            tensors |= {f"moe.{name}": t for name, t in self.moe.named().items()}
+        return {name: t for name, t in tensors.items() if t is not None}
+
+    @classmethod
+    def from_named(cls, tensors: dict[str, torch.Tensor]) -> "LayerWeights":
+        experts = {name.removeprefix("moe."): t for name, t in tensors.items() if name.startswith("moe.")}
+        return cls(**{f.name: tensors.get(f.name) for f in fields(cls) if f.name != "moe"},
+                   moe=MoeWeights.from_named(experts))
 
 
 QUANTIZED = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights; embed and lm_head stay
@@ -73,31 +93,33 @@ class LlamaWeights:
     def _layer(layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        experts = hasattr(mlp, "experts")
+        if experts:
+            check_supported(mlp)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
             qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
             qkv_bias=torch.cat(biases).detach() if biases[0] is not None else None,
             o_proj=attn.o_proj.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-            down=mlp.down_proj.weight.detach(),
+            gate_up=None if experts else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+            down=None if experts else mlp.down_proj.weight.detach(),
             o_proj_bias=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
             q_norm=_head_norm(attn, "q_norm"),
             k_norm=_head_norm(attn, "k_norm"),
+            moe=MoeWeights.from_hf(mlp) if experts else None,
         )
 
     def named(self) -> dict[str, torch.Tensor]:
         tensors = {name: getattr(self, name) for name in ("embed", "final_norm", "lm_head", "cos", "sin")}
         for i, layer in enumerate(self.layers):
-            for f in fields(LayerWeights):
-                if getattr(layer, f.name) is not None:
-                    tensors[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+            tensors |= {f"layers.{i}.{name}": t for name, t in layer.named().items()}
         return tensors
 
     @classmethod
     def from_named(cls, tensors: dict[str, torch.Tensor], num_layers: int) -> "LlamaWeights":
-        layers = [LayerWeights(**{f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})
-                  for i in range(num_layers)]
+        layers = [LayerWeights.from_named({name.removeprefix(f"layers.{i}."): t for name, t in tensors.items()
+                                           if name.startswith(f"layers.{i}.")}) for i in range(num_layers)]
         return cls(*(tensors[name] for name in ("embed", "final_norm", "lm_head", "cos", "sin")), layers)
 
 
