@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shared.model.tensor_parallel import TensorParallel
-from shared.worker.ranks import STOP, RankGroup, RankGroupError
+from shared.model.tensor_parallel import RankLost, TensorParallel
+from shared.worker.ranks import STOP, RankGroup
 from tests.stack import free_port
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +70,7 @@ def _hang_or_die(rank: int, port: int, fate: str, results) -> None:
     try:
         ranks.lead("step", 1, 1)
         ranks.all_agree(True)
-    except RankGroupError as error:
+    except RankLost as error:
         results.put(str(error))
     else:
         results.put("no error")

@@ -24,9 +24,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shared.control.dispatch import FatalError
 from shared.kv.heads import check_tensor_parallel, kv_heads_of
 from shared.model.moe import MoeWeights
 from shared.model.weights import LayerWeights, LlamaWeights
+
+
+class RankLost(FatalError):
+    """A collective failed or timed out: a rank died or hangs, so the worker cannot go on; it exits,
+    and its ranks restart together (shared/worker/ranks.py)."""
+
+    @classmethod
+    def raised_by(cls, collective, *args, rank: int, size: int, **kwargs) -> None:
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as exc:  # gloo's and NCCL's errors, DistBackendError among them
+            raise cls(f"rank {rank} of {size}: a rank broke off ({exc})") from exc
 
 
 @dataclass(frozen=True)
@@ -38,7 +51,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x in place over the group: the row-parallel products' partial sums."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            RankLost.raised_by(dist.all_reduce, x, group=self.group, rank=self.rank, size=self.size)
         return x
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -46,7 +59,8 @@ class TensorParallel:
         if self.size == 1:
             return logits
         slices = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(slices, logits.contiguous(), group=self.group)
+        RankLost.raised_by(dist.all_gather, slices, logits.contiguous(), group=self.group, rank=self.rank,
+                           size=self.size)
         return torch.cat(slices, dim=-1)
 
 

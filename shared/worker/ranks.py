@@ -31,8 +31,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from shared.control.dispatch import FatalError
-from shared.model.tensor_parallel import SINGLE, TensorParallel
+from shared.model.tensor_parallel import SINGLE, RankLost, TensorParallel
 
 log = structlog.get_logger()
 
@@ -41,10 +40,6 @@ STORE_VARIABLE = "PDSERVE_TP_STORE"  # host:port of rank 0's TCPStore
 STOP = "stop"
 TICK = "tick"
 CHILD_EXIT_S = 10.0  # how long rank 0 waits for its followers to exit after telling them to stop
-
-
-class RankGroupError(FatalError):
-    """A rank broke off: the group cannot go on, and the worker exits (its ranks restart together)."""
 
 
 def own_rank() -> int:
@@ -131,7 +126,7 @@ class RankGroup:
         if self.leads:
             try:
                 self.lead(STOP)
-            except RankGroupError:
+            except RankLost:
                 pass  # a follower is gone already: the others fail their next collective and exit
             for child in self.children:
                 try:
@@ -151,10 +146,7 @@ class RankGroup:
         return buffer.numpy().tobytes()
 
     def _collective(self, collective, *args, **kwargs) -> None:
-        try:
-            collective(*args, **kwargs)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise RankGroupError(f"rank {self.tp.rank} of {self.size}: a rank broke off ({exc})") from exc
+        RankLost.raised_by(collective, *args, rank=self.tp.rank, size=self.size, **kwargs)
 
 
 def solo() -> RankGroup:
