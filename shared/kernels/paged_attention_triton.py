@@ -3,7 +3,9 @@
 Computes, for every sequence b and query head h,
     out[b, h] = softmax(scale * q[b, h] @ K_b^T) @ V_b
 where K_b / V_b are the first seq_lens[b] tokens of the sequence, read in place from the pages
-listed in page_table[b] (no contiguous copy of the KV is made).
+listed in page_table[b] (no contiguous copy of the KV is made). With a sliding window (window > 0)
+they are only its tokens from seq_lens[b] - window on: the loop starts at the tile holding the
+first of them, the tokens before it in that tile masked, and the splits cover only the window.
 
 Layout: q and out are [B, H, D]; k_cache and v_cache are one layer's shard each,
 [num_pages, page_size, KVH, D] (the PagedKvPool shard layout); token t of sequence b lives in page
@@ -51,6 +53,8 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
 # Bounds the [splits, D] tile the reduction kernel holds in registers.
 _MAX_AUTO_SPLITS = 64
+# The window the kernel takes for none: longer than any int32 sequence.
+_NO_WINDOW = 2**31 - 1
 # Programs per SM the splits aim at: 2 hide one program's memory latency behind the other's.
 _PROGRAMS_PER_SM = 2
 _DEFAULT_NUM_SMS = 132  # H200; used when the device cannot be queried (CPU interpreter)
@@ -106,14 +110,15 @@ if triton is not None:
         return values
 
     @triton.jit
-    def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, hi, n, d,
+    def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
               row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t, stride_sp, stride_st,
               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
-        chunk's last, partial tile (tokens at or past `hi` are left out)."""
+        chunk's last, partial tile and a window's first (tokens before `begin` or at or past `hi`
+        are left out)."""
         tok = start + n
-        tok_mask = tok < hi
+        tok_mask = (tok >= begin) & (tok < hi)
         if BLOCK_N % PAGE_SIZE == 0:  # whole pages: a row's slot part of the address is loop-invariant
             page_at = start // PAGE_SIZE + n // PAGE_SIZE
         else:
@@ -166,7 +171,7 @@ if triton is not None:
     def _paged_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page_table_ptr, seq_lens_ptr,
         m_ptr, l_ptr, acc_ptr,
-        qk_scale, num_splits,
+        qk_scale, num_splits, window,
         stride_qb, stride_qh,
         stride_p, stride_t, stride_h,
         stride_sp, stride_st,
@@ -182,9 +187,13 @@ if triton is not None:
         split = tl.program_id(2)
 
         seq_len = tl.load(seq_lens_ptr + b)
-        # Chunk boundaries on BLOCK_N multiples so only the last tile of a sequence is partial.
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        # The first token read (0 without a window, which comes as _NO_WINDOW), and the tile that holds it.
+        begin = tl.maximum(seq_len - window, 0)
+        base = begin // BLOCK_N * BLOCK_N
+        # Chunk boundaries on BLOCK_N multiples so only the first tile of a window and the last of a
+        # sequence are partial.
+        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
@@ -205,7 +214,8 @@ if triton is not None:
         v_top = 1.0
         q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
         if MODE != 0:
-            v_top = _largest_scale(v_scale_ptr, table_row, lo, hi, kvh, stride_sp, stride_st, PAGE_SIZE, 8 * BLOCK_N)
+            v_top = _largest_scale(v_scale_ptr, table_row, tl.maximum(lo, begin), hi, kvh, stride_sp, stride_st,
+                                   PAGE_SIZE, 8 * BLOCK_N)
             q = q.to(tl.float32) * qk_scale
             if MODE == 2:
                 # One e4m3 scale per query head, as the pages have per token; its product with the
@@ -220,14 +230,20 @@ if triton is not None:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        for start in range(lo, full_end, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, hi,
-                                  n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+        first = lo
+        if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION)
+            first = lo + BLOCK_N
+        full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
+        for start in range(first, full_end, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
-                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION)
         # Partials are [B, H, num_splits(, D)]; an empty split stores max=-inf, sum=0, acc=0.
         row = (b * num_heads + heads) * num_splits + split
@@ -252,7 +268,8 @@ if triton is not None:
         m = tl.load(m_ptr + row, mask=s_mask, other=float("-inf"))
         l = tl.load(l_ptr + row, mask=s_mask, other=0.0)
         acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
-        # Split 0 always holds token 0 (seq_len >= 1), so m_max is finite and empty splits weigh 0.
+        # Split 0 always holds the first token read (seq_len >= 1), so m_max is finite and empty
+        # splits weigh 0.
         m_max = tl.max(m, axis=0)
         w = tl.exp2(m - m_max)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
@@ -327,13 +344,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            num_splits: int | None = None, fp8_query: bool = False,
-                           tiling: Tiling | None = None) -> torch.Tensor:
+                           tiling: Tiling | None = None, window: int = 0) -> torch.Tensor:
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
     fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
-    tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it)."""
+    tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it).
+    window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window)."""
     require_triton("paged_decode_attention")
     _check_layout(q, k_cache, v_cache, page_table, seq_lens)
     _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
@@ -342,8 +360,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     mode = compute_mode(q, k_cache, fp8_query)
     tiling = tiling or default_tiling(mode, batch)
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     if num_splits is None:
-        num_splits = _choose_num_splits(batch, num_kv_heads, page_table.shape[1] * page_size, _num_sms(q.device))
+        context = page_table.shape[1] * page_size
+        context = min(context, window + tiling.block_n) if window else context  # a window's reads span this at most
+        num_splits = _choose_num_splits(batch, num_kv_heads, context, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -358,7 +380,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scales, page_table, seq_lens,
         m, l, acc,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, window or _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0) if k_scale is not None else 0, k_scale.stride(1) if k_scale is not None else 0,

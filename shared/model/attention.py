@@ -10,6 +10,12 @@ paged_decode_attention: one new token per sequence against its pages; on a GPU t
 reads the pages in place and dequantizes quantized ones in registers
 (shared/kernels/paged_attention_triton.py); on the CPU the pages are gathered and dequantized,
 which is cheap for the CPU's small contexts.
+
+Sliding window (window > 0, 0 for none): the query at position p sees the keys at positions j with
+p - window < j <= p, the window keys ending at its own, as transformers' sliding_window_overlay
+(`kv_idx > q_idx - sliding_window`) masks them. A prefill whose keys all fit in the window is
+unchanged; one past it runs the masked SDPA over the keys its first query can see (on a GPU too:
+cuDNN's causal calls take no window). The decode reads only a sequence's last window tokens.
 """
 
 from __future__ import annotations
@@ -30,36 +36,58 @@ def allow_split(allowed: bool) -> None:
     _split_allowed = allowed
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D]."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int = 0) -> torch.Tensor:
+    """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D];
+    window > 0: each query sees only its last `window` keys, its own included."""
+    if 0 < window < k.shape[0]:
+        return masked_attention(q, k, v, scale, window)
     modes = split_attention.gqa_modes(q, k, v) if q.is_cuda and _split_allowed else None
     if modes is None:
         return masked_attention(q, k, v, scale)
     return split_attention.split_attention(q, k, v, scale, modes)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
     """The same through one SDPA call, whichever backend it picks, with the bottom-right causal mask."""
     length, context = q.shape[0], k.shape[0]
-    mask = {"is_causal": True} if context == length else {"attn_mask": causal_lower_right(length, context)}
+    if 0 < window < context:
+        # Only the keys the first query sees, their heads repeated: SDPA's GQA is not promised to a
+        # masked kernel on the GPU, and the math fallback would hold every score.
+        first = max(0, context - length - window + 1)
+        group = q.shape[1] // k.shape[1]
+        k, v = (x[first:].repeat_interleave(group, dim=1) for x in (k, v))
+        sdpa_args = {"attn_mask": _window_mask(length, context - first, window, q.device), "enable_gqa": False}
+    elif context == length:
+        sdpa_args = {"is_causal": True, "enable_gqa": True}
+    else:
+        sdpa_args = {"attn_mask": causal_lower_right(length, context), "enable_gqa": True}
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        scale=scale, enable_gqa=True, **mask,
+        scale=scale, **sdpa_args,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _window_mask(length: int, context: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool, True where query t (at position S - T + t) sees key j: causal and within the window."""
+    behind = torch.arange(context - length, context, device=device)[:, None] - torch.arange(context, device=device)
+    return (behind >= 0) & (behind < window)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           fp8_query: bool = False) -> torch.Tensor:
+                           fp8_query: bool = False, window: int = 0) -> torch.Tensor:
     """q [B, H, D]; caches [pages, page_size, KVH, D]; page_table [B, P]; seq_lens [B] -> [B, H, D].
     k_scale/v_scale [pages, page_size, KVH]: the scales of quantized caches, None for unquantized.
-    fp8_query: e4m3 q over float8_e4m3fn pages, a mode of the GPU kernel (the CPU path ignores it)."""
+    fp8_query: e4m3 q over float8_e4m3fn pages, a mode of the GPU kernel (the CPU path ignores it).
+    window > 0: each sequence reads only its tokens at seq_len - window and after."""
     if q.is_cuda:
         return paged_attention_triton.paged_decode_attention(
             q, k_cache, v_cache, page_table.to(torch.int32), seq_lens.to(torch.int32), scale, k_scale, v_scale,
-            fp8_query=fp8_query and k_cache.dtype == torch.float8_e4m3fn)
+            fp8_query=fp8_query and k_cache.dtype == torch.float8_e4m3fn, window=window)
     batch, max_pages = page_table.shape
     _, page_size, kv_heads, head_dim = k_cache.shape
     length = max_pages * page_size
@@ -68,7 +96,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k, v = kv_quant.dequantize(k, k_scale[page_table], q.dtype), kv_quant.dequantize(v, v_scale[page_table], q.dtype)
     k = k.view(batch, length, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]
+    positions = torch.arange(length, device=q.device)[None, :]
+    valid = positions < seq_lens[:, None]
+    if window > 0:
+        valid &= positions >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
     )
