@@ -1,5 +1,5 @@
-"""What a checkpoint tells the stack beside its weights: a sliding window it cannot serve (refused at
-load, naming the setting), and the sampling defaults of its generation_config.json (taken by the
+"""What a checkpoint tells the stack beside its weights: a sliding window (each layer's, as
+transformers applies it, served token-exact past it), and the sampling defaults of its generation_config.json (taken by the
 router for the fields a request leaves unset). Each checkpoint is a tiny random one that the test
 writes with transformers, the embedded model's tokenizer beside it."""
 
@@ -12,20 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
 from pdserve.v1 import generation_pb2
 from shared.control import wire
-from shared.control.messages import EXIT_REFUSED, FinishReason, KvReady, PrefillTask, Registered, ReleaseKv, Role
+from shared.control.messages import FinishReason, KvReady, PrefillTask, Registered, ReleaseKv, Role
 from shared.model.fingerprint import model_fingerprint
 from shared.model.generation_config import SamplingDefaults, sampling_defaults
-from shared.model.loader import UnsupportedModel, load_hf_config
+from shared.kv.pages import pages_for
+from shared.kv.pool import allocate_local_pool
+from shared.model.llama import load_paged_llama
+from shared.model.loader import UnsupportedModel, layer_windows
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer
+from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=49152, max_position_embeddings=256)  # the embedded tokenizer's vocabulary
+LAYERS3 = {**TINY, "num_hidden_layers": 3}
 
 
 def write_checkpoint(folder: Path, config, tokenizer_from: Path, generation: dict | None = None) -> Path:
@@ -42,38 +47,64 @@ def write_checkpoint(folder: Path, config, tokenizer_from: Path, generation: dic
 
 # ---- sliding windows ----
 
-@pytest.mark.parametrize("config, setting", [
-    (MistralConfig(**TINY, sliding_window=48), "sets sliding_window = 48"),
-    (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=48),
-     "sets use_sliding_window = true, sliding_window = 48"),
-], ids=["mistral", "qwen2"])
-def test_a_sliding_window_is_refused_naming_the_setting(config, setting, checkpoint, tmp_path):
-    folder = write_checkpoint(tmp_path / "model", config, checkpoint)
-    with pytest.raises(UnsupportedModel, match=setting) as refused:
-        load_hf_config(folder)
-    assert refused.value.exit_code == EXIT_REFUSED
+@pytest.mark.parametrize("config, windows", [
+    (MistralConfig(**LAYERS3, sliding_window=48), [48, 48, 48]),
+    (MistralConfig(**LAYERS3, sliding_window=None), [0, 0, 0]),
+    (Qwen2Config(**LAYERS3, use_sliding_window=True, sliding_window=48, max_window_layers=1), [0, 48, 48]),
+    (Qwen2Config(**LAYERS3, use_sliding_window=False, sliding_window=48), [0, 0, 0]),
+    (Qwen3Config(**LAYERS3, use_sliding_window=True, sliding_window=48, max_window_layers=2), [0, 0, 48]),
+    (MixtralConfig(**LAYERS3, sliding_window=48), [48, 48, 48]),
+    (LlamaConfig(**LAYERS3), [0, 0, 0]),
+], ids=["mistral", "mistral-without", "qwen2", "qwen2-unused", "qwen3", "mixtral", "llama"])
+def test_each_layer_gets_the_window_transformers_gives_it(config, windows):
+    assert layer_windows(config) == windows
 
 
-@pytest.mark.parametrize("config", [
-    MistralConfig(**TINY, sliding_window=None),
-    MistralConfig(**TINY, sliding_window=TINY["max_position_embeddings"]),  # never leaves a token out
-    Qwen2Config(**TINY, use_sliding_window=False, sliding_window=48),
-], ids=["mistral-without", "mistral-window-of-the-context", "qwen2-unused"])
-def test_a_checkpoint_whose_attention_sees_every_token_loads(config, checkpoint, tmp_path):
-    assert load_hf_config(write_checkpoint(tmp_path / "model", config, checkpoint)).model_type == config.model_type
+WINDOW = 16
+WINDOWED = MistralConfig(**TINY, sliding_window=WINDOW)
+WINDOW_PROMPT = "Sliding-window attention lets each token see only the last few tokens before it, so that"
+
+
+def test_a_windowed_model_matches_transformers_far_past_its_window(checkpoint, tokenizer, tmp_path):
+    """A prompt three windows long, prefilled in chunks smaller than the window and after a cached
+    page, then decoded past it: every position's logits are transformers'."""
+    folder = write_checkpoint(tmp_path / "model", WINDOWED, checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = load_paged_llama(folder, "float32", "cpu")
+    prompt = tokenizer(WINDOW_PROMPT)["input_ids"]
+    assert len(prompt) > 1 + WINDOW
+    pool = allocate_local_pool(model.kv_layout(8, 16), "cpu")[0]
+    pages = list(range(pages_for(len(prompt) + 24, 16)))
+    model.prefill(prompt[:16], pool, pages, chunk_tokens=5)  # the cached first page
+    logits = [model.prefill(prompt, pool, pages, chunk_tokens=5, start=16)]
+    tokens = [int(logits[-1].argmax())]
+    for step in range(24):
+        position = torch.tensor([len(prompt) + step])
+        logits.append(model.decode(torch.tensor(tokens[-1:]), position, torch.tensor([pages]), pool)[0])
+        tokens.append(int(logits[-1].argmax()))
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.e2e
-def test_a_worker_given_a_sliding_window_exits_refused_at_load(checkpoint, tmp_path):
-    """Not restarted into the same refusal: the supervisor and systemd leave EXIT_REFUSED alone."""
-    folder = write_checkpoint(tmp_path / "model", MistralConfig(**TINY, sliding_window=48), checkpoint)
-    stack = ServiceStack(tmp_path, CACHE_DIR, services=("prefill",), PDSERVE_MODEL_PATH=str(folder))
-    try:
-        stack.start("prefill")
-        assert stack.processes["prefill"].wait(timeout=120) == EXIT_REFUSED
-        assert "sliding_window = 48" in stack.log_path("prefill").read_text()
-    finally:
-        stack.stop()
+def test_a_windowed_model_is_served_as_transformers_generates_it(checkpoint, tokenizer, tmp_path):
+    """Through the stack, one by one and batched in the decode, far past the window."""
+    folder = write_checkpoint(tmp_path / "model", WINDOWED, checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in (WINDOW_PROMPT, "The three primary colors are")]
+    expected = [reference_greedy(reference, ids, 40) for ids in prompts]
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_MODEL_PATH=str(folder)) as stack:
+        def generate(ids):
+            request = generation_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=40, temperature=0)
+            return [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
+
+        for ids, (tokens, logits) in zip(prompts, expected):
+            assert_matches_reference(generate(ids), tokens, logits, f"windowed prompt of {len(ids)}")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for ids, got, (tokens, logits) in zip(prompts, pool.map(generate, prompts), expected):
+                assert_matches_reference(got, tokens, logits, f"windowed concurrent prompt of {len(ids)}")
+        stack.stop_drained()
 
 
 # ---- sampling defaults ----

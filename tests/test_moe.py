@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from shared.model import moe
 from shared.model.llama import PagedLlama, load_paged_llama
-from shared.model.loader import UnsupportedModel, load_hf_config
+from shared.model.loader import UnsupportedModel, layer_windows, load_hf_config
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
@@ -169,13 +169,12 @@ def test_a_shared_expert_is_refused():
         LlamaWeights.from_hf(Qwen2MoeForCausalLM(config), 64)
 
 
-def test_the_model_types_load_and_mixtrals_window_is_refused(folders, checkpoint, tmp_path):
+def test_the_model_types_load_and_mixtrals_window_covers_every_layer(folders, checkpoint, tmp_path):
     assert load_hf_config(folders["mixtral"]).sliding_window is None  # MixtralConfig's default: no window
     assert load_hf_config(folders["qwen3_moe"]).model_type == "qwen3_moe"
     windowed = MixtralConfig(**SHAPE, num_local_experts=8, sliding_window=48)
     folder = write_checkpoint(tmp_path / "windowed", Path(checkpoint), MixtralForCausalLM, windowed)
-    with pytest.raises(UnsupportedModel, match="sets sliding_window = 48"):
-        load_hf_config(folder)
+    assert layer_windows(load_hf_config(folder)) == [48] * windowed.num_hidden_layers
 
 
 # ---- through the stack ----

@@ -18,7 +18,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.model.llama import PagedLlama, load_paged_llama
-from shared.model.loader import UnsupportedModel, load_hf_config
+from shared.model.loader import UnsupportedModel, layer_windows, load_hf_config
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
@@ -149,12 +149,11 @@ def test_a_shard_replicates_the_head_norms_and_adds_the_bias_once(folders):
         assert layer.o_proj_bias is (whole.o_proj_bias if rank == 0 else None)
 
 
-def test_a_sliding_window_is_refused_naming_the_setting(checkpoint, tmp_path):
-    """Refused whatever max_window_layers says (shared/model/loader.py says why)."""
+def test_a_sliding_window_covers_the_layers_from_max_window_layers_on(checkpoint, tmp_path):
+    """As transformers reads max_window_layers (shared/model/loader.py layer_windows)."""
     folder = write_qwen3(tmp_path / "windowed", Path(checkpoint), use_sliding_window=True, sliding_window=48,
                          max_window_layers=1)
-    with pytest.raises(UnsupportedModel, match="sets use_sliding_window = true, sliding_window = 48"):
-        load_hf_config(folder)
+    assert layer_windows(load_hf_config(folder)) == [0, 48]
 
 
 def test_qwen3s_default_window_unused_loads(folders):

@@ -23,7 +23,7 @@ from shared.kv.heads import kv_heads_of
 from shared.kv.pool import PagedKvPool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
-from shared.model.loader import UnsupportedModel, config_dict
+from shared.model.loader import UnsupportedModel, config_dict, layer_windows
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.linear_choice import LinearChooser
 from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
@@ -55,6 +55,7 @@ class PagedLlama:
         self.max_context = config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
+        self.windows = layer_windows(config)  # each layer's sliding window; 0: it sees every earlier token
         _check_head_norms(config, weights)
         self.routing = Routing.of(config, weights.embed.dtype)
         self.weights = weights
@@ -172,7 +173,7 @@ class PagedLlama:
         q, k, v = self._qkv(layer, x, positions)
         pool.write(index, *slots, k, v)
         staged.write(begin, k, v)
-        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
+        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale, self.windows[index])
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         x.copy_(self._mlp_block(layer, x + attn))
 
@@ -185,7 +186,7 @@ class PagedLlama:
         end = begin + len(x)
         q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
         staged.v[begin:end] = v
-        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale)
+        out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale, self.windows[index])
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         if layer.moe is not None:
@@ -223,7 +224,7 @@ class PagedLlama:
             q, k, v = self._qkv(layer, x, positions)
             pool.write(i, pages, offsets, k, v)
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
-                                                   pool.key_scale(i), pool.value_scale(i))
+                                                   pool.key_scale(i), pool.value_scale(i), window=self.windows[i])
             x = x + self.tp.all_reduce(linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale,
                                               layer.o_proj_bias))
             x = self._mlp_block(layer, x)
@@ -247,7 +248,8 @@ class PagedLlama:
                                            offsets, self.num_heads, self.num_kv_heads, self.head_dim,
                                            pool.key_scale(i), pool.value_scale(i))
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
-                                                   pool.key_scale(i), pool.value_scale(i), self.fp8_query)
+                                                   pool.key_scale(i), pool.value_scale(i), self.fp8_query,
+                                                   self.windows[i])
             attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj, layer.o_proj_bias,
                                                          layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)

@@ -112,25 +112,20 @@ def load_hf_config(checkpoint: Path | str):
     config = AutoConfig.from_pretrained(str(checkpoint))
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model type {config.model_type!r} is not in {sorted(SUPPORTED_MODEL_TYPES)}")
-    _refuse_sliding_window(config)
     return config
 
 
-def _refuse_sliding_window(config) -> None:
-    """Attention here sees every earlier token: a model trained with a sliding window (Mistral's
-    and Mixtral's sliding_window, Qwen2's, Qwen3's and Qwen3-MoE's use_sliding_window) answers otherwise once a prompt outgrows the
-    window. transformers leaves sliding_window None when the model has none (Qwen2 and Qwen3 without
-    use_sliding_window), and a window as long as the context never leaves a token out. Qwen's window
-    is refused whatever max_window_layers says: which layers it covers is disputed (transformers
-    windows those from max_window_layers on, Qwen's own documentation those below it:
-    huggingface/transformers#35896), so a config that turns it on is not served on a guess."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or window >= config.max_position_embeddings:
-        return
-    qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
-    setting = "use_sliding_window = true, sliding_window" if qwen else "sliding_window"
-    raise UnsupportedModel(f"the checkpoint's config.json sets {setting} = {window}: sliding-window attention "
-                           f"is not implemented, and full attention would answer differently past {window} tokens")
+def layer_windows(config) -> list[int]:
+    """Each layer's sliding window as transformers applies it (0: the layer sees every earlier token):
+    config.sliding_window (None where the model has none, and for Qwen without use_sliding_window),
+    on the layers config.layer_types marks sliding_attention (Qwen2 and Qwen3: from
+    max_window_layers on, as transformers reads it; huggingface/transformers#35896 says Qwen's own
+    documentation reads it the other way), else on every layer (Mistral, Mixtral, Qwen3-MoE)."""
+    window = getattr(config, "sliding_window", None) or 0
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else 0 for kind in kinds]
 
 
 def eos_token_ids(config, tokenizer=None) -> list[int]:
