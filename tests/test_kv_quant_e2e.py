@@ -30,6 +30,7 @@ from shared.model.llama import load_paged_llama
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference
 from tests.stack import ServiceStack
+from tests.test_metrics import kv_bytes_per_token, scrape, value
 
 pytestmark = pytest.mark.e2e
 
@@ -174,6 +175,12 @@ def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(s
         assert stack.processes["prefill-1"].poll() is None, stack.tail("prefill-1")
         assert time.monotonic() < deadline, "the prefill of three ranks never registered"
         time.sleep(0.2)
+    # Every rank's pools together: one byte per value and a float32 scale per token and KV head.
+    config = model.config
+    int8_bytes = kv_bytes_per_token(config, 1) + 2 * config.num_hidden_layers * config.num_key_value_heads * 4
+    for worker in ("prefill-1", "decode-0"):
+        role = worker.partition("-")[0]
+        assert value(scrape(stack.metrics_url(worker)), "kv_bytes_per_token", worker_id=worker, role=role) == int8_bytes
     stack.signal("prefill-0", signal.SIGTERM)
     assert stack.processes["prefill-0"].wait(timeout=120) == 0
     for ids, (tokens, logits) in zip(prompts, expected):

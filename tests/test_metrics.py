@@ -14,6 +14,7 @@ from pdserve.v1 import generation_pb2
 from services.router.control.worker_records import WorkerRecord
 from shared.config import ConfigError, load_config
 from shared.control.messages import FinishReason, ModelFingerprint, Role
+from shared.model.loader import load_hf_config
 from shared.runtime import metrics
 
 GOOD_REQUESTS = 3
@@ -172,14 +173,21 @@ def test_router_counts_requests_latencies_and_pages(stack):
     assert value(final, "num_requests_running") == 0 and value(final, "num_requests_waiting") == 0
 
 
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """K and V of every layer for every KV head, unquantized: what the pool should report."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_workers_serve_their_own_pages(stack, role):
+def test_workers_serve_their_own_pages(stack, role, checkpoint):
     worker = next(w for w in stack.workers() if w.role == role)
     samples = scrape_until(stack.metrics_url(role), lambda s: _idle(s, [worker]))
     labels = {"worker_id": worker.worker_id, "role": role}
     assert value(samples, "kv_pages_used", **labels) == 0
     assert value(samples, "kv_pages_free", **labels) == worker.total_pages
+    assert value(samples, "kv_bytes_per_token", **labels) == kv_bytes_per_token(load_hf_config(checkpoint), 4)
     assert value(samples, "num_requests_running") == 0 and value(samples, "num_requests_waiting") == 0
     assert value(samples, "time_to_first_token_seconds_count") is None, "request metrics are the router's"
     assert not [name for name, _ in samples if name.startswith("pdserve:gpu_")], "a CPU worker has no GPU telemetry"

@@ -24,6 +24,7 @@ from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack
+from tests.test_metrics import kv_bytes_per_token, scrape, value
 
 # The embedded tokenizer's vocabulary. initializer_range 0.05, not transformers' 0.02: attention then
 # weighs enough that without the head norms every prompt of the stack's test goes another way at once.
@@ -202,3 +203,7 @@ def test_the_stack_generates_transformers_greedy_tokens(stack, references, token
     tokens, cached = generate(stack, second)
     assert cached >= PAGE
     assert_matches_reference(tokens, *reference_greedy(reference, second, MAX_TOKENS), "qwen3 after a cached prefix")
+    # Qwen3's head_dim (32) is not hidden / heads (16): the pool's pages are as the config says.
+    decode = scrape(stack.metrics_url("decode"))
+    assert value(decode, "kv_bytes_per_token", worker_id="decode-0", role="decode") == kv_bytes_per_token(
+        reference.config, 4)

@@ -20,10 +20,12 @@ import pytest
 from pdserve.v1 import generation_pb2
 
 from shared.config import env_name
+from shared.model.loader import load_hf_config
 from shared.worker.ranks import RANK_VARIABLE
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack
+from tests.test_metrics import kv_bytes_per_token, scrape, value
 
 pytestmark = pytest.mark.e2e
 
@@ -104,9 +106,13 @@ def test_a_prefill_of_three_ranks_and_a_decode_of_one(stack, expected):
     check_pairing(stack, expected, "prefill TP 3, decode TP 1")
 
 
-def test_three_ranks_on_both_sides(stack, expected):
+def test_three_ranks_on_both_sides(stack, expected, checkpoint):
     serve_only(stack, "prefill-0", "decode-1")
     check_pairing(stack, expected, "prefill TP 3, decode TP 3")
+    whole = kv_bytes_per_token(load_hf_config(checkpoint), 4)  # every rank's pools together: the model's KV
+    for worker in ("prefill-0", "decode-1"):
+        role = worker.partition("-")[0]
+        assert value(scrape(stack.metrics_url(worker)), "kv_bytes_per_token", worker_id=worker, role=role) == whole
 
 
 def test_a_prefill_of_one_and_a_decode_of_three(stack, expected):

@@ -45,6 +45,7 @@ from shared.control.messages import (
 from shared.control.router_link import WorkerLoad
 from shared.kernels.device import Moment, date_moments, mark
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed
+from shared.kv.pool import token_bytes
 from shared.kv.transfer import TransferState
 from shared.model.sampling import sample
 from shared.runtime import metrics
@@ -92,6 +93,7 @@ class DecodeWorker(WorkerLoop):
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
                           PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
+        metrics.report_kv_bytes_per_token(self.worker_id, Role.DECODE, token_bytes(self.pool.layout) * self.ranks.size)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
                  stream_priority=stream.priority if stream is not None else None)

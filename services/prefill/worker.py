@@ -38,6 +38,7 @@ from shared.control.router_link import WorkerLoad
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.page_keys import page_keys
 from shared.kv.pages import pages_for
+from shared.kv.pool import token_bytes
 from shared.model.llama import PagedLlama
 from shared.model.sampling import sample
 from shared.model.weight_share import publish_weights, weights_file
@@ -101,6 +102,7 @@ class PrefillWorker(WorkerLoop):
             self.weights_path = weights_file(config.router.runtime_dir, self.worker_id)
             publish_weights(model, self.weights_path)
         metrics.watch_pages(self.worker_id, Role.PREFILL, self.cache.num_pages, lambda: self.load().free_pages)
+        metrics.report_kv_bytes_per_token(self.worker_id, Role.PREFILL, token_bytes(layout) * self.ranks.size)
         if self.use_cache:
             metrics.watch_prefix_cache(lambda: self.cache.num_cached)
         if not colocated:

@@ -69,6 +69,9 @@ KV_PAGES_USED = Gauge(
     "pdserve:kv_pages_used", "KV pages in use, as the worker reports them.", ["worker_id", "role"], registry=None)
 KV_PAGES_FREE = Gauge(
     "pdserve:kv_pages_free", "KV pages free, as the worker reports them.", ["worker_id", "role"], registry=None)
+KV_BYTES_PER_TOKEN = Gauge(
+    "pdserve:kv_bytes_per_token", "What one token's KV takes in the worker's pools, all its ranks together: "
+    "K and V of every layer, with their scales where the pages are quantized.", ["worker_id", "role"], registry=None)
 KV_PAGES_RESERVED = Gauge(
     "pdserve:kv_pages_reserved", "KV pages the router promised to requests in flight.", ["worker_id", "role"],
     registry=None)
@@ -105,8 +108,8 @@ ROUTER = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, INTER_TOKEN_LATENCY, E2E_R
           KV_PAGES_USED, KV_PAGES_FREE, KV_PAGES_RESERVED, WORKER_PENDING_PROMPT_TOKENS, WORKER_ASSIGNED_REQUESTS,
           WORKER_ROUTED_REQUESTS, WORKER_ROUTED_PROMPT_TOKENS, REQUEST_RETRIES, ROUTER_TOKENIZED_TOKENS,
           REQUEST_MIGRATIONS)
-WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE, PREFIX_CACHE_QUERIES,
-          PREFIX_CACHE_HITS, PREFIX_CACHE_PAGES)
+WORKER = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_PAGES_USED, KV_PAGES_FREE, KV_BYTES_PER_TOKEN,
+          PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_PAGES)
 
 # Each label value exported from the start at 0, so rate() sees a counter's first increment.
 FAILURE_CODES = ("INVALID_ARGUMENT", *ErrorCode, "CANCELLED", "DEADLINE_EXCEEDED", "UNKNOWN")
@@ -167,6 +170,11 @@ def watch_pages(worker_id: str, role: Role, total_pages: int, free: Callable[[],
     """A worker's pool as the worker itself reports it."""
     KV_PAGES_USED.labels(worker_id, role).set_function(lambda: total_pages - free())
     KV_PAGES_FREE.labels(worker_id, role).set_function(free)
+
+
+@_never_raises
+def report_kv_bytes_per_token(worker_id: str, role: Role, token_bytes: int) -> None:
+    KV_BYTES_PER_TOKEN.labels(worker_id, role).set(token_bytes)
 
 
 @_never_raises
