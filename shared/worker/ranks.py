@@ -146,7 +146,7 @@ class RankGroup:
         return buffer.numpy().tobytes()
 
     def _collective(self, collective, *args, **kwargs) -> None:
-        RankLost.raised_by(collective, *args, rank=self.tp.rank, size=self.size, **kwargs)
+        RankLost.raised_by(collective, *args, group=self.tp.group, rank=self.tp.rank, size=self.size, **kwargs)
 
 
 def solo() -> RankGroup:
