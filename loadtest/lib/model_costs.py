@@ -1,6 +1,10 @@
 """What the served model costs, from its shapes alone: the weight bytes a decode step reads, a
 prompt's matmul FLOPs and a token's KV bytes. A benchmark's floor or bound is one of these over a
-rate of the device (loadtest/lib/device_rates.py)."""
+rate of the device (loadtest/lib/device_rates.py).
+
+A mixture-of-experts layer (LayerWeights.moe) costs its router and the experts its tokens are routed
+to: top_k of them per token in FLOPs; in bytes, those a step's batch touches, which grow with the
+batch towards all of them (experts_read)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from shared.kv.pool import token_bytes
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config
+from shared.model.weights import LayerWeights
 
 # Read one row per token (the embedding) or per position (the RoPE tables), not whole, by a step.
 ROW_GATHERED = ("embed", "cos", "sin")
@@ -16,7 +21,8 @@ ROW_GATHERED = ("embed", "cos", "sin")
 
 def model_shape(checkpoint, dtype: torch.dtype, quantization: str = "none") -> PagedLlama:
     """The served model with its weights on the meta device: its shapes, FLOPs and bytes, no memory;
-    quantization "fp8": its linear weights in FP8, as model.quantization has them."""
+    quantization "fp8": its linear weights in FP8, as model.quantization has them (refused for a
+    mixture-of-experts model, by LayerWeights.quantize_fp8, as the served model refuses it)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -28,10 +34,28 @@ def model_shape(checkpoint, dtype: torch.dtype, quantization: str = "none") -> P
     return model
 
 
-def weight_bytes_per_step(model: PagedLlama) -> int:
-    """Every weight a decode step reads whole: each layer's (biases included), the final norm and
-    the lm_head, also where it is tied to the embedding."""
-    return sum(t.numel() * t.element_size() for name, t in model.weights.named().items() if name not in ROW_GATHERED)
+def weight_bytes_per_step(model: PagedLlama, batch: int = 1) -> int:
+    """The weight bytes a decode step of `batch` tokens reads: each dense layer's whole (biases
+    included), the final norm and the lm_head, also where it is tied to the embedding; of a layer of
+    experts, its router and the experts_read(model, batch) experts the batch is routed to."""
+    share = experts_read(model, batch) / num_experts(model) if model.routing is not None else 1
+    return round(sum(_bytes(t) * (share if _is_expert(name) else 1)
+                     for name, t in model.weights.named().items() if name not in ROW_GATHERED))
+
+
+def experts_read(model: PagedLlama, batch: int) -> float:
+    """The experts of a layer that a step of `batch` tokens reads, in expectation, assuming uniform
+    routing (each token picks top_k of the E experts, every k-subset alike, tokens independently): an
+    expert is missed by all of them with probability (1 - k/E) ** batch, so E * (1 - (1 - k/E) ** batch)
+    are read. A skewed router reads fewer (1 - (1 - p) ** batch is concave in an expert's share p): an
+    upper estimate."""
+    experts, k = num_experts(model), model.routing.top_k
+    return experts * (1 - (1 - k / experts) ** batch)
+
+
+def num_experts(model: PagedLlama) -> int:
+    """E of a mixture-of-experts model: the rows of its routers."""
+    return next(len(layer.moe.router) for layer in model.layers if layer.moe is not None)
 
 
 def prefill_flops(model: PagedLlama, tokens: int) -> float:
@@ -40,9 +64,26 @@ def prefill_flops(model: PagedLlama, tokens: int) -> float:
 
 
 def linear_flops(model: PagedLlama, tokens: int) -> float:
-    """2 * params per token for every layer's linears, plus the lm_head for the last position."""
-    linear = sum(l.qkv.numel() + l.o_proj.numel() + l.gate_up.numel() + l.down.numel() for l in model.layers)
-    return 2 * linear * tokens + 2 * model.lm_head.numel()
+    """2 * params per token for every layer's linears (of a layer of experts: the router and the top_k
+    experts each token is routed to), plus the lm_head for the last position."""
+    return 2 * sum(_linear_params_per_token(model, l) for l in model.layers) * tokens + 2 * model.lm_head.numel()
+
+
+def _linear_params_per_token(model: PagedLlama, layer: LayerWeights) -> int:
+    attention = layer.qkv.numel() + layer.o_proj.numel()
+    if layer.moe is None:
+        return attention + layer.gate_up.numel() + layer.down.numel()
+    experts = layer.moe.gate_up.numel() + layer.moe.down.numel()
+    return attention + layer.moe.router.numel() + experts // len(layer.moe.router) * model.routing.top_k
+
+
+def _is_expert(name: str) -> bool:
+    """An expert's weights (layers.<i>.moe.gate_up, .down), not the router every token reads."""
+    return ".moe." in name and not name.endswith(".router")
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def prefill_bound_s(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops: float | None = None) -> dict:

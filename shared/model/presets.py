@@ -4,6 +4,10 @@
 8 KV heads of 128, 14336 MLP, 128256 vocab) with random weights in the configured dtype, straight
 on the device (with model.quantization fp8, each linear weight quantized as it is drawn:
 shared/model/fp8_weights.py). Speed depends on shapes, not on the values of the weights.
+
+A preset is a config.json's fields; "model_type" names its architecture where it is not Llama's
+(written into the preset only there, so the Llama presets' fields, which the fingerprint hashes,
+stay as they were).
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ PRESETS = {
     # positions, so that every position up to 524288 lies within the scaled range.
     "llama-3.1-8b-512k": {**LLAMA_3_1_8B, "max_position_embeddings": 524288,
                           "rope_scaling": {**LLAMA_3_1_8B["rope_scaling"], "factor": 64.0}},
-    # A small model of the same family for quick GPU tests.
+    # Qwen3-30B-A3B's published shape: 48 layers of 128 experts of 768, 8 routed per token, no shared
+    # expert; 30.5B parameters, 3.3B of them active per token. FP8 is refused for experts.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    # A small model of the Llama family for quick GPU tests.
     "llama-tiny": dict(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, vocab_size=32000, max_position_embeddings=65536,
@@ -58,9 +71,10 @@ def preset_fields(path: str) -> dict:
 
 
 def preset_config(path: str):
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
-    return LlamaConfig(**preset_fields(path))
+    fields = preset_fields(path)
+    return AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
 
 
 def random_hf_model(path: str, dtype, device: str, seed: int = 0):
