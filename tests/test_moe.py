@@ -8,7 +8,6 @@ beside them."""
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,9 @@ from shared.model.loader import UnsupportedModel, layer_windows, load_hf_config
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
-from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack
-from tests.test_metrics import kv_bytes_per_token, scrape, value
-from tests.test_qwen3 import (MAX_TOKENS, PAGE, PROMPT, PROMPTS, SYSTEM, TOKENIZER_FILES, assert_matches_transformers,
-                              fused_decode, generate, greedy_logits, pool_for)
+from tests.test_qwen3 import (PROMPT, TOKENIZER_FILES, assert_matches_transformers, check_served, fused_decode,
+                              greedy_logits, pool_for)
 
 SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, num_experts_per_tok=2, initializer_range=0.05)
@@ -190,22 +187,4 @@ def stack(folders, tmp_path_factory):
 
 @pytest.mark.e2e
 def test_the_stack_generates_transformers_greedy_tokens(stack, references, tokenizer):
-    """Mixtral alone and concurrently (batched in the decode)."""
-    reference = references["mixtral"]
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    expected = [reference_greedy(reference, ids, MAX_TOKENS) for ids in prompts]
-    for i, (ids, (tokens, logits)) in enumerate(zip(prompts, expected)):
-        assert_matches_reference(generate(stack, ids)[0], tokens, logits, f"mixtral prompt #{i}")
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        for i, ((got, _), (tokens, logits)) in enumerate(zip(pool.map(lambda p: generate(stack, p), prompts),
-                                                             expected)):
-            assert_matches_reference(got, tokens, logits, f"mixtral concurrent prompt #{i}")
-    first, second = (tokenizer(SYSTEM + question)["input_ids"]
-                     for question in ("What is the capital of France?", "Name the three primary colors."))
-    generate(stack, first)
-    tokens, cached = generate(stack, second)
-    assert cached >= PAGE
-    assert_matches_reference(tokens, *reference_greedy(reference, second, MAX_TOKENS), "mixtral after a cached prefix")
-    decode = scrape(stack.metrics_url("decode"))
-    assert value(decode, "kv_bytes_per_token", worker_id="decode-0", role="decode") == kv_bytes_per_token(
-        reference.config, 4)
+    check_served(stack, references["mixtral"], tokenizer, "mixtral")

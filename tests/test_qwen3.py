@@ -185,25 +185,29 @@ def generate(stack, prompt: list[int]) -> tuple[list[int], int]:
     return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].usage.cached_prompt_tokens
 
 
-@pytest.mark.e2e
-def test_the_stack_generates_transformers_greedy_tokens(stack, references, tokenizer):
-    """Alone, concurrently (batched in the decode), and after a cached prefix."""
-    reference = references["tied"]
+def check_served(stack, reference, tokenizer, what: str) -> None:
+    """transformers' greedy tokens alone, concurrently (batched in the decode) and after a cached
+    prefix; the pool's KV bytes per token as the config says (Qwen3's head_dim of 32 is not hidden /
+    heads)."""
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     expected = [reference_greedy(reference, ids, MAX_TOKENS) for ids in prompts]
     for i, (ids, (tokens, logits)) in enumerate(zip(prompts, expected)):
-        assert_matches_reference(generate(stack, ids)[0], tokens, logits, f"qwen3 prompt #{i}")
+        assert_matches_reference(generate(stack, ids)[0], tokens, logits, f"{what} prompt #{i}")
     with ThreadPoolExecutor(len(prompts)) as pool:
         for i, ((got, _), (tokens, logits)) in enumerate(zip(pool.map(lambda p: generate(stack, p), prompts),
                                                              expected)):
-            assert_matches_reference(got, tokens, logits, f"qwen3 concurrent prompt #{i}")
+            assert_matches_reference(got, tokens, logits, f"{what} concurrent prompt #{i}")
     first, second = (tokenizer(SYSTEM + question)["input_ids"]
                      for question in ("What is the capital of France?", "Name the three primary colors."))
     generate(stack, first)
     tokens, cached = generate(stack, second)
     assert cached >= PAGE
-    assert_matches_reference(tokens, *reference_greedy(reference, second, MAX_TOKENS), "qwen3 after a cached prefix")
-    # Qwen3's head_dim (32) is not hidden / heads (16): the pool's pages are as the config says.
+    assert_matches_reference(tokens, *reference_greedy(reference, second, MAX_TOKENS), f"{what} after a cached prefix")
     decode = scrape(stack.metrics_url("decode"))
     assert value(decode, "kv_bytes_per_token", worker_id="decode-0", role="decode") == kv_bytes_per_token(
         reference.config, 4)
+
+
+@pytest.mark.e2e
+def test_the_stack_generates_transformers_greedy_tokens(stack, references, tokenizer):
+    check_served(stack, references["tied"], tokenizer, "qwen3")

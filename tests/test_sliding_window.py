@@ -34,7 +34,6 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 WINDOW = 20  # not a multiple of the 16-token pages
 # The kernel runs compiled where there is a GPU, interpreted on the CPU otherwise.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def qkv(queries: int, keys: int, seed: int = 0):
@@ -70,7 +69,8 @@ def test_a_window_of_one_sees_only_its_own_key():
     torch.testing.assert_close(out, v[-6:].repeat_interleave(HEADS // KV_HEADS, dim=1))
 
 
-@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("queries, keys", [(256, 256), (64, 1000)], ids=["prompt", "later-chunk"])
 def test_prefill_with_a_window_on_the_gpu(queries, keys):
     """bf16 on the GPU, where a prefill inside its window goes through cuDNN and one past it does not."""
