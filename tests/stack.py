@@ -21,6 +21,14 @@ class ServiceStack(LocalStack):
             time.sleep(0.1)
         return time.monotonic() - started
 
+    def wait_registered(self, names: set[str]) -> None:
+        """Until the router lists every worker named, within the stack's start timeout."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while not names <= {w.worker_id for w in self.workers()}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sorted(names)} not all registered:\n" + "\n".join(self.tail(n) for n in names))
+            time.sleep(0.2)
+
     def metric(self, name: str, service: str = "router") -> float:
         """A Prometheus metric of a service, summed over its labels."""
         text = urllib.request.urlopen(self.metrics_url(service), timeout=5).read().decode()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -170,11 +169,7 @@ def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(s
     reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(prompts, pages)]
     order_effect = max(float((a - b).abs().max()) for (_, x), (_, y) in zip(expected, reordered) for a, b in zip(x, y))
     stack.start("prefill-1", {"PDSERVE_PREFILL_TENSOR_PARALLEL": "3"})
-    deadline = time.monotonic() + stack.start_timeout_s
-    while "prefill-1" not in {w.worker_id for w in stack.workers()}:
-        assert stack.processes["prefill-1"].poll() is None, stack.tail("prefill-1")
-        assert time.monotonic() < deadline, "the prefill of three ranks never registered"
-        time.sleep(0.2)
+    stack.wait_registered({"prefill-1"})
     # Every rank's pools together: one byte per value and a float32 scale per token and KV head.
     config = model.config
     int8_bytes = kv_bytes_per_token(config, 1) + 2 * config.num_hidden_layers * config.num_key_value_heads * 4

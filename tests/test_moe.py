@@ -7,7 +7,6 @@ beside them."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,8 @@ from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack
-from tests.test_qwen3 import (PROMPT, TOKENIZER_FILES, assert_matches_transformers, check_served, fused_decode,
-                              greedy_logits, pool_for)
+from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, fused_decode, greedy_logits,
+                              pool_for, save_tiny)
 
 SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, num_experts_per_tok=2, initializer_range=0.05)
@@ -41,17 +40,7 @@ VARIANTS = {
 
 def write_checkpoint(folder: Path, tokenizer_from: Path, model_class, config) -> Path:
     torch.manual_seed(0)
-    model = model_class(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    (folder / "generation_config.json").unlink()  # transformers writes one of its own
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, folder / name)
-    return folder
+    return save_tiny(model_class(config), folder, tokenizer_from, ("norm.weight",))
 
 
 @pytest.fixture(scope="module")

@@ -38,12 +38,12 @@ DECODE_STEPS = 6
 PROMPT = "Paged attention splits the key-value cache into fixed-size blocks, so that"
 
 
-def write_qwen3(folder: Path, tokenizer_from: Path, **settings) -> Path:
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, **settings))
+def save_tiny(model, folder: Path, tokenizer_from: Path, perturbed: tuple[str, ...]) -> Path:
+    """A random model saved as transformers saves one, the embedded tokenizer beside it; the
+    parameters whose names end in `perturbed` drawn in [0.5, 1.5], so that one left out shows."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
+            if name.endswith(perturbed):
                 parameter.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     (folder / "generation_config.json").unlink()  # transformers writes one of its own
@@ -51,6 +51,12 @@ def write_qwen3(folder: Path, tokenizer_from: Path, **settings) -> Path:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+def write_qwen3(folder: Path, tokenizer_from: Path, **settings) -> Path:
+    torch.manual_seed(0)
+    return save_tiny(Qwen3ForCausalLM(Qwen3Config(**SHAPE, **settings)), folder, tokenizer_from,
+                     ("norm.weight", ".bias"))
 
 
 @pytest.fixture(scope="module")

@@ -63,19 +63,12 @@ def serve_only(stack: ServiceStack, prefill: str, decode: str) -> None:
     for name in (prefill, decode):
         if name not in stack.processes or stack.processes[name].poll() is not None:
             stack.start(name)
-    _wait_registered(stack, {prefill, decode})
+    stack.wait_registered({prefill, decode})
     for name in set(WORKERS) - {prefill, decode}:
         if name in stack.processes and stack.processes[name].poll() is None:
             stack.signal(name, signal.SIGTERM)
             assert stack.processes[name].wait(timeout=RPC_TIMEOUT_S) == 0, stack.tail(name)
     assert {w.worker_id for w in stack.workers()} == {prefill, decode}
-
-
-def _wait_registered(stack: ServiceStack, names: set[str]) -> None:
-    deadline = time.monotonic() + stack.start_timeout_s
-    while not names <= {w.worker_id for w in stack.workers()}:
-        assert time.monotonic() < deadline, f"{names} not all registered: " + "\n".join(stack.tail(n) for n in names)
-        time.sleep(0.2)
 
 
 def generate(stack: ServiceStack, prompt: list[int]) -> tuple[list[int], int]:
@@ -146,7 +139,7 @@ def test_a_rank_killed_under_load_takes_its_worker_down_and_the_group_serves_aga
     assert decode.wait(timeout=RPC_TIMEOUT_S) != 0, "rank 0 went on without a rank"
     _wait_gone(followers)
     stack.start("decode-1")  # what the supervisor does, and systemd: the group starts again as one
-    _wait_registered(stack, {"decode-1"})
+    stack.wait_registered({"decode-1"})
     ids, tokens, logits = expected[1]
     assert_matches_reference(generate(stack, ids)[0], tokens, logits, "after the group's restart")
     stack.assert_pools_drained()
