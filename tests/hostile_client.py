@@ -39,10 +39,12 @@ class HostileClient:
                      "unread_stream": self._unread_stream}
 
     def run(self, seed: int, until: float, outcomes: list) -> None:
-        """Acts at random until the deadline; appends (act, outcome) for each."""
+        """Acts at random until the deadline; appends (act, outcome) for each. An act that has not yet
+        got what it is owed (it met a restart) is drawn before the others, so that each gets it."""
         rng = random.Random(seed)
         while time.monotonic() < until:
-            act = rng.choice(sorted(self.acts))
+            unpaid = [act for act in sorted(self.acts) if not any(a == act and self.owed(a, o) for a, o in outcomes)]
+            act = rng.choice(unpaid or sorted(self.acts))
             outcomes.append((act, self.acts[act]()))
             time.sleep(rng.uniform(0.5, 1.5))
 

@@ -371,7 +371,7 @@ def test_a_cancel_during_the_pull_gives_the_prefills_pages_back_at_once(router_a
     assert next(stream).token_ids == [42]
     assert decode.receive(DecodeTask).request_id == task.request_id
     stream.cancel()
-    assert decode.receive(Abort).request_id == task.request_id
+    assert decode.receive(Abort, timeout_s=30).request_id == task.request_id
     assert prefill.receive(ReleaseKv, timeout_s=30).request_id == task.request_id
     assert all(w.reserved_pages == 0 for w in stack.workers())
 
