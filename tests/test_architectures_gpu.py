@@ -1,0 +1,98 @@
+"""Qwen3, Mixtral (a sliding window) and Qwen3-MoE (a dense layer among experts) on the GPU: the fused
+Triton step and the prefill against the CPU path (checked against transformers in test_qwen3.py and
+test_moe.py), a CUDA-graph replay against the eager step, and greedy tokens against transformers'
+own on the GPU. Tiny random models, built in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pool import allocate_local_pool
+from tests.reference import assert_matches_reference, reference_greedy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPE = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, initializer_range=0.05,
+             tie_word_embeddings=False)
+ARCHITECTURES = {
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, attention_bias=True)),
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=24)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, num_experts=8, num_experts_per_tok=2,
+                                                      moe_intermediate_size=64, norm_topk_prob=True,
+                                                      decoder_sparse_step=1, mlp_only_layers=[1])),
+}
+PAGE = 16
+PROMPTS = (list(range(5, 45)), list(range(60, 73)))  # 40 tokens: past Mixtral's window of 24
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def hf(request):
+    model_class, config = ARCHITECTURES[request.param]
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():  # norms away from 1, so that a norm left out shows
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                parameter.uniform_(0.5, 1.5)
+    return model.to("cuda:0")
+
+
+def _prefill_and_decode(model, device: str):
+    pool = allocate_local_pool(model.kv_layout(16, PAGE), device)[0]
+    tables = ([3, 7, 1], [9, 0, 0])
+    prefills = [model.prefill(prompt, pool, pages) for prompt, pages in zip(PROMPTS, tables)]
+    decoded = model.decode(torch.tensor([11, 12], device=device), torch.tensor([40, 13], device=device),
+                           torch.tensor(tables, device=device), pool)
+    return torch.stack([p.float().cpu() for p in prefills]), decoded.float().cpu()
+
+
+def test_the_gpu_path_equals_the_cpu_path(hf):
+    from shared.model.llama import PagedLlama
+
+    gpu = _prefill_and_decode(PagedLlama.from_hf(hf, "cuda:0"), "cuda:0")
+    cpu = _prefill_and_decode(PagedLlama.from_hf(hf.cpu(), "cpu"), "cpu")
+    hf.to("cuda:0")
+    for got, expected in zip(gpu, cpu):
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_a_graph_replay_equals_the_eager_step(hf):
+    from services.decode.cuda_graphs import GraphedDecode
+    from shared.model.llama import PagedLlama
+    from tests.decode_inputs import prefilled_step_inputs
+
+    model = PagedLlama.from_hf(hf, "cuda:0")
+    layout = model.kv_layout(64, PAGE)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 16, [1, 4])
+    inputs = prefilled_step_inputs(model, pool, allocator, [5, 40, 17])
+    kv_before = pool.kv.clone()
+    graphed = graphs.step(inputs).clone()
+    pool.kv.copy_(kv_before)
+    eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)
+    torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_transformers_on_the_gpu(hf):
+    from shared.model.llama import PagedLlama
+
+    model = PagedLlama.from_hf(hf, "cuda:0")
+    prompt, steps = PROMPTS[0], 8
+    pool = allocate_local_pool(model.kv_layout(8, PAGE), "cuda:0")[0]
+    pages = torch.tensor([list(range(pages_for(len(prompt) + steps, PAGE)))[::-1]], device="cuda:0")
+    token = int(model.prefill(prompt, pool, pages[0].tolist()).argmax())
+    tokens = [token]
+    for step in range(steps - 1):
+        logits = model.decode(torch.tensor([token], device="cuda:0"),
+                              torch.tensor([len(prompt) + step], device="cuda:0"), pages, pool)
+        token = int(logits[0].argmax())
+        tokens.append(token)
+    expected, reference_logits = reference_greedy(hf, prompt, steps)
+    assert_matches_reference(tokens, expected, reference_logits, "greedy tokens on the GPU")
