@@ -1,13 +1,15 @@
-"""Qwen3, Mixtral (a sliding window) and Qwen3-MoE (a dense layer among experts) on the GPU: the fused
-Triton step and the prefill against the CPU path (checked against transformers in test_qwen3.py and
-test_moe.py), a CUDA-graph replay against the eager step, and greedy tokens against transformers'
-own on the GPU. Tiny random models, built in memory."""
+"""Qwen3, Mixtral (a sliding window), Qwen3-MoE (a dense layer among experts) and DeepSeek-V2/V3 (MLA
+over the Triton latent kernel, shared experts) on the GPU: the step and the prefill against the CPU
+path (checked against transformers in test_qwen3.py, test_moe.py and test_deepseek.py), a CUDA-graph
+replay against the eager step, and greedy tokens against transformers' own on the GPU. Tiny random
+models, built in memory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
 from shared.kv.pages import PageAllocator, pages_for
@@ -19,6 +21,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SHAPE = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, initializer_range=0.05,
              tie_word_embeddings=False)
+# The latent and the RoPE key a power of two each, as the kernel's tiles need and DeepSeek's are (512, 64).
+MLA_SHAPE = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+                 qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                 first_k_dense_replace=1, max_position_embeddings=1024, initializer_range=0.05,
+                 tie_word_embeddings=False)
 ARCHITECTURES = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, attention_bias=True)),
     "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
@@ -26,6 +34,10 @@ ARCHITECTURES = {
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**SHAPE, num_experts=8, num_experts_per_tok=2,
                                                       moe_intermediate_size=64, norm_topk_prob=True,
                                                       decoder_sparse_step=1, mlp_only_layers=[1])),
+    "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(**MLA_SHAPE, q_lora_rank=48, n_group=4, topk_group=2,
+                                                            n_shared_experts=1, routed_scaling_factor=2.5)),
+    "deepseek_v2": (DeepseekV2ForCausalLM, DeepseekV2Config(**MLA_SHAPE, q_lora_rank=None, topk_method="greedy",
+                                                            n_shared_experts=2, num_key_value_heads=4)),
 }
 PAGE = 16
 PROMPTS = (list(range(5, 45)), list(range(60, 73)))  # 40 tokens: past Mixtral's window of 24
@@ -38,7 +50,7 @@ def hf(request):
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from 1, so that a norm left out shows
         for name, parameter in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
+            if name.endswith(("norm.weight", ".bias", "layernorm.weight")):
                 parameter.uniform_(0.5, 1.5)
     return model.to("cuda:0")
 

@@ -101,6 +101,11 @@ def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
 
 
 def test_greedy_tokens_equal_the_in_process_quantized_run(stack, model, tokenizer, kv_dtype):
+    check_greedy_tokens(stack, model, tokenizer, kv_dtype)
+
+
+def check_greedy_tokens(stack, model, tokenizer, kv_dtype: str) -> None:
+    """The stack's greedy tokens are the in-process run's on a pool of kv_dtype, alone and batched."""
     reference = QuantizedReference(model, kv_dtype)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in prompts]
@@ -134,6 +139,10 @@ def test_a_worker_of_other_weights_is_refused(stack, kv_dtype, tmp_path):
 
 
 def test_a_cached_prefix_of_quantized_pages(stack, model, tokenizer, kv_dtype):
+    check_cached_prefix(stack, model, tokenizer, kv_dtype)
+
+
+def check_cached_prefix(stack, model, tokenizer, kv_dtype: str) -> None:
     """The second prompt's prefill computes only what follows the first's cached pages, attending
     to them dequantized, as the in-process run does from the same pages."""
     first = tokenizer(SYSTEM + "What is the capital of France?")["input_ids"]

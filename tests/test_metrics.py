@@ -174,7 +174,10 @@ def test_router_counts_requests_latencies_and_pages(stack):
 
 
 def kv_bytes_per_token(config, itemsize: int) -> int:
-    """K and V of every layer for every KV head, unquantized: what the pool should report."""
+    """K and V of every layer for every KV head, unquantized: what the pool should report; an MLA
+    model's latent and RoPE key of every layer instead."""
+    if hasattr(config, "kv_lora_rank"):
+        return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 

@@ -7,6 +7,7 @@ beside them."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -82,8 +83,8 @@ def test_the_gpu_paths_fused_kernels_match_transformers(folders, references, pro
 def test_routing_renormalized_the_other_way_fails(variant, folders, references, prompt, monkeypatch):
     """The comparison above is tight enough to see the routing: flipping the renormalization fails it."""
     route = moe.route
-    monkeypatch.setattr(moe, "route", lambda logits, top_k, renormalize, dtype: route(logits, top_k, not renormalize,
-                                                                                       dtype))
+    monkeypatch.setattr(moe, "route", lambda logits, routing, bias: route(
+        logits, dataclasses.replace(routing, renormalize=not routing.renormalize), bias))
     model = load_paged_llama(folders[variant], "float32", "cpu")
     with pytest.raises(AssertionError):
         assert_matches_transformers(greedy_logits(model, prompt, pool_for(model)), references[variant], prompt)
@@ -102,7 +103,7 @@ def test_route_equals_transformers_router_bit_for_bit(router_class, dtype):
     model_config = type("Config", (), {"model_type": config.model_type, "num_experts_per_tok": 2,
                                        "norm_topk_prob": getattr(config, "norm_topk_prob", None)})
     routing = moe.Routing.of(model_config, dtype)
-    weights, ids = moe.route(logits, routing.top_k, routing.renormalize, routing.weights_dtype)
+    weights, ids = moe.route(logits, routing)
     assert torch.equal(ids, their_ids) and weights.dtype == torch.float32
     assert torch.equal(weights, their_weights.float())
 
@@ -131,8 +132,8 @@ def test_shards_of_the_experts_sum_to_the_whole(folders):
         assert shard.router is whole.router
         assert shard.gate_up.shape == (8, 32, 64) and shard.down.shape == (8, 64, 16)
         assert torch.equal(shard.gate_up[:, 16:], whole.gate_up[:, 32 + 16 * rank: 32 + 16 * (rank + 1)])
-        partial.append(moe.moe_forward(hidden, shard, routing.top_k, routing.renormalize))
-    expected = moe.moe_forward(hidden, whole, routing.top_k, routing.renormalize)
+        partial.append(moe.moe_forward(hidden, shard, routing))
+    expected = moe.moe_forward(hidden, whole, routing)
     torch.testing.assert_close(partial[0] + partial[1], expected, atol=1e-6, rtol=1e-5)
 
 
@@ -166,14 +167,15 @@ def test_the_model_types_load_and_mixtrals_window_covers_every_layer(folders, ch
 
 # ---- through the stack ----
 
-@pytest.fixture(scope="module")
-def stack(folders, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp("moe-stack"), CACHE_DIR,
-                      PDSERVE_MODEL_PATH=str(folders["mixtral"])) as services:
-        yield services
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe_mixed"])
+def served(request, folders, tmp_path_factory):
+    with ServiceStack(tmp_path_factory.mktemp(f"{request.param}-stack"), CACHE_DIR,
+                      PDSERVE_MODEL_PATH=str(folders[request.param])) as services:
+        yield request.param, services
         services.stop_drained()
 
 
 @pytest.mark.e2e
-def test_the_stack_generates_transformers_greedy_tokens(stack, references, tokenizer):
-    check_served(stack, references["mixtral"], tokenizer, "mixtral")
+def test_the_stack_generates_transformers_greedy_tokens(served, references, tokenizer):
+    variant, stack = served
+    check_served(stack, references[variant], tokenizer, variant)

@@ -124,15 +124,17 @@ def greedy_run(model, prompt: list[int], kv_dtype: str) -> torch.Tensor:
     return torch.stack(logits)
 
 
-def run_rank(rank: int, checkpoint: str, port: int, prompt: list[int], out: str) -> None:
-    """One rank of the group, in its own process: its shard over its own pools, every run's logits saved."""
-    torch.set_num_threads(1)  # three ranks share the CI machine's two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP_SIZE,
+def run_rank(rank: int, checkpoint: str, port: int, prompt: list[int], out: str, size: int = TP_SIZE) -> None:
+    """One rank of the group, in its own process: its shard over its own pools, every run's logits
+    saved, and its head counts (query heads, KV heads, the model's KV heads) as "heads"."""
+    torch.set_num_threads(1)  # the ranks share the CI machine's two cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=120))
     try:
-        model = load_paged_llama(checkpoint, "float32", "cpu", tp=TensorParallel(rank, TP_SIZE, dist.group.WORLD))
-        assert (model.num_heads, model.num_kv_heads, model.total_kv_heads) == (3, 1, 3)
-        torch.save({kv: greedy_run(model, prompt, kv) for kv in KV_DTYPES}, Path(out) / f"rank{rank}.pt")
+        model = load_paged_llama(checkpoint, "float32", "cpu", tp=TensorParallel(rank, size, dist.group.WORLD))
+        runs = {kv: greedy_run(model, prompt, kv) for kv in KV_DTYPES}
+        torch.save(runs | {"heads": (model.num_heads, model.num_kv_heads, model.total_kv_heads)},
+                   Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -149,6 +151,8 @@ def test_three_ranks_generate_what_one_process_does(checkpoint, tokenizer, tmp_p
     for kv in KV_DTYPES:
         expected = greedy_run(single, prompt, kv)
         for rank in range(TP_SIZE):
-            logits = torch.load(tmp_path / f"rank{rank}.pt")[kv]
+            saved = torch.load(tmp_path / f"rank{rank}.pt")
+            assert saved["heads"] == (3, 1, 3)
+            logits = saved[kv]
             assert torch.equal(logits.argmax(-1), expected.argmax(-1)), (kv, rank)
             torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL[kv], rtol=1e-4)

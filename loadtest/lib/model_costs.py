@@ -4,7 +4,10 @@ rate of the device (loadtest/lib/device_rates.py).
 
 A mixture-of-experts layer (LayerWeights.moe) costs its router and the experts its tokens are routed
 to: top_k of them per token in FLOPs; in bytes, those a step's batch touches, which grow with the
-batch towards all of them (experts_read)."""
+batch towards all of them (experts_read). Shared experts (DeepSeek's) are a dense MLP every token
+reads. An MLA layer (LayerWeights.mla) costs its projections, kv_b once per token (the prefill
+expands each latent once; the decode absorbs it into the query and applies it after attention),
+and attention of (qk_nope + qk_rope) wide scores and v wide values per head."""
 
 from __future__ import annotations
 
@@ -70,16 +73,22 @@ def linear_flops(model: PagedLlama, tokens: int) -> float:
 
 
 def _linear_params_per_token(model: PagedLlama, layer: LayerWeights) -> int:
-    attention = layer.qkv.numel() + layer.o_proj.numel()
+    if layer.mla is not None:
+        attention = sum(t.numel() for name, t in layer.mla.named().items() if not name.endswith(("norm", "bias")))
+        attention += layer.o_proj.numel()
+    else:
+        attention = layer.qkv.numel() + layer.o_proj.numel()
     if layer.moe is None:
         return attention + layer.gate_up.numel() + layer.down.numel()
     experts = layer.moe.gate_up.numel() + layer.moe.down.numel()
-    return attention + layer.moe.router.numel() + experts // len(layer.moe.router) * model.routing.top_k
+    shared = sum(t.numel() for t in (layer.moe.shared_gate_up, layer.moe.shared_down) if t is not None)
+    return attention + layer.moe.router.numel() + shared + experts // len(layer.moe.router) * model.routing.top_k
 
 
 def _is_expert(name: str) -> bool:
-    """An expert's weights (layers.<i>.moe.gate_up, .down), not the router every token reads."""
-    return ".moe." in name and not name.endswith(".router")
+    """A routed expert's weights (layers.<i>.moe.gate_up, .down), not what every token reads: the
+    router, its correction bias, the shared experts."""
+    return name.endswith((".moe.gate_up", ".moe.down"))
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -98,7 +107,12 @@ def prefill_bound_s(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflo
 
 def attention_flops(model: PagedLlama, tokens: int) -> float:
     """QK^T and PV of causal attention over a prompt, every layer: each query sees half the prompt."""
-    return 2 * 2 * model.num_layers * model.num_heads * model.head_dim * tokens * tokens / 2
+    if model.mla is not None:
+        shape = model.mla.shape
+        per_pair = shape.heads * (shape.nope + shape.rope + shape.v)
+    else:
+        per_pair = 2 * model.num_heads * model.head_dim
+    return 2 * model.num_layers * per_pair * tokens * tokens / 2
 
 
 def kv_token_bytes(model: PagedLlama, kv_dtype: str, page_size: int) -> int:

@@ -7,7 +7,11 @@ from pathlib import Path
 
 
 def emit(report: dict, out: str | Path | None) -> None:
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
+    save(report, out)
+
+
+def save(report: dict, out: str | Path | None) -> None:
+    """The report so far into the file, if asked: a long run cut short keeps what it measured."""
     if out:
-        Path(out).write_text(text + "\n")
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")

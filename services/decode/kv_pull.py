@@ -139,8 +139,8 @@ class KvPuller:
     def _check_layout(self, layout: KvLayout) -> None:
         """Ours but for the head count, which tensor parallelism divides."""
         local = self.local.layout
-        if (layout.num_layers, layout.page_size, layout.head_dim, layout.dtype) != (
-                local.num_layers, local.page_size, local.head_dim, local.dtype):
+        if (layout.num_layers, layout.page_size, layout.head_dim, layout.dtype, layout.shards_per_layer) != (
+                local.num_layers, local.page_size, local.head_dim, local.dtype, local.shards_per_layer):
             raise TransferError(f"its layout is {layout}, ours is {local}")
 
     def _backend(self, kind: type[Backend]) -> Backend:

@@ -54,7 +54,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
 # the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
@@ -105,8 +105,10 @@ class StopParams:
 class KvLayout:
     """Shape of a paged pool: per layer a K and a V shard of [pages, page_size, kv_heads, head_dim],
     interleaved K0 V0 K1 V1 ..., each shard starting shard_stride_bytes after the last (a
-    multiple of 256, so every shard is 256-byte aligned). A quantized dtype (int8, float8_e4m3fn)
-    implies scale shards after them, whose place follows from these fields (shared/kv/pool.py)."""
+    multiple of 256, so every shard is 256-byte aligned). An MLA model's pool has one shard per
+    layer (shards_per_layer 1): the latent and the RoPE key of each token, one "head" of
+    kv_lora_rank + qk_rope_head_dim. A quantized dtype (int8, float8_e4m3fn) implies scale shards
+    after them, whose place follows from these fields (shared/kv/pool.py)."""
     num_layers: int
     num_pages: int
     page_size: int
@@ -114,6 +116,7 @@ class KvLayout:
     head_dim: int
     dtype: str
     shard_stride_bytes: int
+    shards_per_layer: int = 2
 
 
 @dataclass(frozen=True)

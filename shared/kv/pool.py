@@ -4,12 +4,15 @@ Layout (KvLayout): shards K0 V0 K1 V1 ... of [pages, page_size, kv_heads, head_d
 `shard_stride_bytes` apart, a multiple of 256 so every shard starts 256-byte aligned when the
 buffer does. Because the stride is uniform, the whole pool is also one strided tensor
 `kv[2 * layers, pages, page_size, kv_heads, head_dim]`: a handoff of any set of pages is one
-gather over all layers at once, not one copy per page per layer.
+gather over all layers at once, not one copy per page per layer. An MLA model (DeepSeek) keeps one
+shard per layer instead, L0 L1 ..., of [pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]:
+each token's compressed latent then its RoPE key (shared/model/mla.py); whatever moves pages by
+shard moves these alike.
 
 Quantized pages (int8, float8_e4m3fn: shared/kernels/kv_quant.py) have their float32 scales, one per token
 and KV head, in scale shards after the page shards, in the same order (K0 V0 K1 V1 ...), each
 [pages, page_size, kv_heads] and 256-byte aligned likewise: `scales[2 * layers, pages, page_size,
-kv_heads]`. A page id names a page's values and its scales alike, so whatever moves or caches
+kv_heads]` (one per token and layer for a latent). A page id names a page's values and its scales alike, so whatever moves or caches
 pages by id (the handoff, the prefix cache) carries both.
 """
 
@@ -25,10 +28,16 @@ SHARD_ALIGN_BYTES = 256
 
 
 def make_layout(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype) -> KvLayout:
+                dtype: torch.dtype, shards_per_layer: int = 2) -> KvLayout:
     item = torch.empty((), dtype=dtype).element_size()
     stride = _aligned(num_pages * page_size * num_kv_heads * head_dim * item)
-    return KvLayout(num_layers, num_pages, page_size, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), stride)
+    return KvLayout(num_layers, num_pages, page_size, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), stride,
+                    shards_per_layer)
+
+
+def num_shards(layout: KvLayout) -> int:
+    """Page shards of the pool (as many scale shards follow where it is quantized)."""
+    return layout.shards_per_layer * layout.num_layers
 
 
 def _aligned(nbytes: int) -> int:
@@ -49,7 +58,7 @@ def scale_stride_bytes(layout: KvLayout) -> int:
 
 
 def layout_bytes(layout: KvLayout) -> int:
-    return 2 * layout.num_layers * (layout.shard_stride_bytes + scale_stride_bytes(layout))
+    return num_shards(layout) * (layout.shard_stride_bytes + scale_stride_bytes(layout))
 
 
 def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
@@ -58,7 +67,7 @@ def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
     a request as one region per shard: offset + p * bytes per page."""
     item = torch.empty((), dtype=torch_dtype(layout)).element_size()
     page_bytes = layout.page_size * layout.num_kv_heads * layout.head_dim * item
-    shards = 2 * layout.num_layers
+    shards = num_shards(layout)
     regions = [(shard * layout.shard_stride_bytes, page_bytes) for shard in range(shards)]
     scale_bytes, scale_stride = _scale_page_bytes(layout), scale_stride_bytes(layout)
     if scale_bytes:
@@ -68,7 +77,7 @@ def shard_regions(layout: KvLayout) -> list[tuple[int, int]]:
 
 
 def token_bytes(layout: KvLayout) -> int:
-    """What one token's K and V take in the pool, scales included, over all layers: what a handoff
+    """What one token's K and V (or latent) take in the pool, scales included, over all layers: what a handoff
     moves and a decode step reads per token."""
     return sum(page_bytes for _, page_bytes in shard_regions(layout)) // layout.page_size
 
@@ -91,7 +100,7 @@ class PagedKvPool:
         typed = storage[: layout_bytes(layout)].view(dtype)
         page = layout.page_size * layout.num_kv_heads * layout.head_dim
         self.kv = typed.as_strided(
-            (2 * layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
+            (num_shards(layout), layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
             (layout.shard_stride_bytes // item, page, layout.num_kv_heads * layout.head_dim, layout.head_dim, 1),
         )
         self.kv_bits = kv_copy_triton.as_integers(self.kv)  # what the page copy moves
@@ -103,11 +112,11 @@ class PagedKvPool:
 
     @staticmethod
     def _scale_view(layout: KvLayout, storage: torch.Tensor) -> torch.Tensor:
-        scales_at = 2 * layout.num_layers * layout.shard_stride_bytes
+        scales_at = num_shards(layout) * layout.shard_stride_bytes
         typed = storage[scales_at: layout_bytes(layout)].view(kv_quant.SCALE_DTYPE)
         row = layout.page_size * layout.num_kv_heads
         return typed.as_strided(
-            (2 * layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads),
+            (num_shards(layout), layout.num_pages, layout.page_size, layout.num_kv_heads),
             (scale_stride_bytes(layout) // kv_quant.SCALE_DTYPE.itemsize, row, layout.num_kv_heads, 1),
         )
 
@@ -123,6 +132,22 @@ class PagedKvPool:
 
     def value_scale(self, layer: int) -> torch.Tensor | None:
         return None if self.scales is None else self.scales[2 * layer + 1]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """An MLA pool's shard of `layer`: [pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+        return self.kv[layer]
+
+    def latent_scale(self, layer: int) -> torch.Tensor | None:
+        return None if self.scales is None else self.scales[layer]
+
+    def write_latent(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
+        """Tokens' latents [N, 1, kv_lora_rank + qk_rope_head_dim] into their slots, quantized where the pool is."""
+        if self.scales is None:
+            self.kv[layer][pages, offsets] = latent
+            return
+        values, scales = kv_quant.quantize(latent, self.kv.dtype)
+        self.kv[layer][pages, offsets] = values
+        self.scales[layer][pages, offsets] = scales
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens' K and V [N, kv_heads, head_dim] into slot offsets[n] of page pages[n], quantized

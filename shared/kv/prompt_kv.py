@@ -19,9 +19,12 @@ from shared.kv.pool import PagedKvPool
 
 
 class PromptKv:
-    def __init__(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 v_dim: int | None = None):
+        """v_dim: the values' head dim where it is not the keys' (MLA's keys and values, expanded from
+        the latent: shared/model/mla.py)."""
         self.k = torch.empty((tokens, kv_heads, head_dim), dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty((tokens, kv_heads, v_dim or head_dim), dtype=dtype, device=device)
 
     def load_prefix(self, pool: PagedKvPool, layer: int, pages: torch.Tensor, count: int) -> None:
         """The first `count` tokens' K and V of `layer`, from the pages that hold them (in order)."""

@@ -1,12 +1,13 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM, and the MoE Mixtral and Qwen3-MoE)
-over the paged KV pool.
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM, the MoE Mixtral and Qwen3-MoE, and
+DeepSeek-V2/V3, whose attention is MLA) over the paged KV pool.
 
 transformers loads the weights; this module runs them, because transformers' caches cannot do
 paged continuous batching. Numerics follow transformers' LlamaModel (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so greedy tokens match it; q/k/v and gate/up are
 fused into one matmul each. Qwen3 adds an RMSNorm over each head's q and k between the projection
 and RoPE (LayerWeights.q_norm, k_norm), as Qwen3Attention does. Mixtral and Qwen3-MoE replace the
-dense MLP by experts in some or all layers (LayerWeights.moe, shared/model/moe.py).
+dense MLP by experts in some or all layers (LayerWeights.moe, shared/model/moe.py). DeepSeek's layers
+attend through a latent that the pool keeps in place of K and V (LayerWeights.mla, shared/model/mla.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
 from shared.model.loader import UnsupportedModel, config_dict, layer_windows
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
+from shared.model.elementwise import apply_rope, rms_norm
 from shared.model.linear_choice import LinearChooser
+from shared.model.mla import Mla, MlaShape, decode_attention, is_mla
 from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
 from shared.model.quantization import fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
@@ -61,6 +64,11 @@ class PagedLlama:
         self.weights = weights
         self.embed, self.final_norm, self.lm_head = weights.embed, weights.final_norm, weights.lm_head
         self.cos, self.sin, self.layers = weights.cos, weights.sin, weights.layers
+        self.mla: Mla | None = None
+        if is_mla(config):  # the pool keeps one latent "head" per token and layer, every rank all of it
+            self.mla = Mla(MlaShape.of(config, tp.size), self.eps, self.cos, self.sin)
+            self.total_kv_heads = self.num_kv_heads = 1
+            self.head_dim, self.scale = self.mla.shape.latent_dim, self.mla.shape.scale
         self.linears = LinearChooser()  # the fused decode's matmuls: cuBLAS or the Triton GEMV, per shape
         # float8_e4m3 pages on a GPU: q and the probabilities in e4m3 too, both attention products on
         # FP8 tensor cores (shared/kernels/paged_attention_triton.py); benchmarks compare it.
@@ -77,18 +85,13 @@ class PagedLlama:
         """The layout of a KV pool for this model, its pages in kv_dtype (kv.dtype: "bfloat16",
         the default, keeps them unquantized in the model's own dtype)."""
         return make_layout(self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim,
-                           kv_quant.storage_dtype(kv_dtype, self.embed.dtype))
+                           kv_quant.storage_dtype(kv_dtype, self.embed.dtype), 1 if self.mla else 2)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        return rms_norm(x, weight, self.eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return apply_rope(x, self.cos, self.sin, positions)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
         qkv = linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_scale, layer.qkv_bias)
@@ -117,8 +120,7 @@ class PagedLlama:
 
     def _experts(self, layer: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts layer's MLP output (this rank's partial sum under tensor parallelism)."""
-        routing = self.routing
-        return moe_forward(hidden, layer.moe, routing.top_k, routing.renormalize, routing.weights_dtype)
+        return moe_forward(hidden, layer.moe, self.routing)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._whole_vocab(F.linear(self._rms_norm(x, self.final_norm), self.lm_head)).float()
@@ -152,11 +154,17 @@ class PagedLlama:
         positions = torch.arange(start, len(token_ids), device=self.device)
         slots = pages[positions // pool.layout.page_size], positions % pool.layout.page_size
         hidden = self.embed[torch.tensor(token_ids[start:], device=self.device)]
-        staged = PromptKv(len(token_ids), self.num_kv_heads, self.head_dim, hidden.dtype, self.device)
+        staged = self._prompt_kv(len(token_ids), hidden.dtype)
         layer_chunk = self._layer_chunk_fused if self.fused_prefill else self._layer_chunk
+        if self.mla is not None:
+            layer_chunk = self._mla_layer_chunk
         for i, layer in enumerate(self.layers):
             if start > 0:
-                staged.load_prefix(pool, i, pages[: -(-start // pool.layout.page_size)], start)
+                prefix_pages = pages[: -(-start // pool.layout.page_size)]
+                if self.mla is not None:
+                    self.mla.stage_prefix(layer.mla, pool, i, prefix_pages, start, staged)
+                else:
+                    staged.load_prefix(pool, i, prefix_pages, start)
             for begin in range(0, len(hidden), chunk):
                 rows = slice(begin, begin + chunk)
                 layer_chunk(layer, i, hidden[rows], start + begin, positions[rows],
@@ -164,6 +172,28 @@ class PagedLlama:
                 if after_chunk is not None:
                     after_chunk()
         return self._logits(hidden[-1:])[0]
+
+    def _prompt_kv(self, tokens: int, dtype: torch.dtype) -> PromptKv:
+        if self.mla is None:
+            return PromptKv(tokens, self.num_kv_heads, self.head_dim, dtype, self.device)
+        shape = self.mla.shape  # every head's key and value, expanded from the latent
+        return PromptKv(tokens, shape.heads, shape.nope + shape.rope, dtype, self.device, v_dim=shape.v)
+
+    def _mla_layer_chunk(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
+                         positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
+                         staged: PromptKv) -> None:
+        """An MLA layer over a chunk: its latents to the pages, expanded into keys and values for the
+        prompt's attention (shared/model/mla.py)."""
+        end, mla = begin + len(x), self.mla
+        normed = self._rms_norm(x, layer.input_norm)
+        q_nope, q_rope = mla.queries(layer.mla, normed, positions)
+        latent = mla.latents(layer.mla, normed, positions)
+        pool.write_latent(index, *slots, latent)
+        staged.write(begin, *mla.expand(layer.mla, latent))
+        out = attention.masked_attention(torch.cat([q_nope, q_rope], dim=-1), staged.k[:end], staged.v[:end],
+                                         self.scale)
+        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
+        x.copy_(self._mlp_block(layer, x + attn))
 
     def _layer_chunk(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int, positions: torch.Tensor,
                      slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool, staged: PromptKv) -> None:
@@ -217,6 +247,8 @@ class PagedLlama:
         pages = page_table.gather(1, (positions // page_size)[:, None])[:, 0]
         offsets = positions % page_size
         seq_lens = positions + 1
+        if self.mla is not None:
+            return self._decode_mla(token_ids, positions, page_table, pool, pages, offsets, seq_lens)
         if self.device.type == "cuda":
             return self._decode_fused(token_ids, positions, page_table, pool, pages, offsets, seq_lens)
         x = self.embed[token_ids]
@@ -226,6 +258,20 @@ class PagedLlama:
             out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
                                                    pool.key_scale(i), pool.value_scale(i), window=self.windows[i])
             x = x + self.tp.all_reduce(linear(out.reshape(len(token_ids), -1), layer.o_proj, layer.o_proj_scale,
+                                              layer.o_proj_bias))
+            x = self._mlp_block(layer, x)
+        return self._logits(x)
+
+    def _decode_mla(self, token_ids, positions, page_table, pool, pages, offsets, seq_lens) -> torch.Tensor:
+        """A step of MLA layers in the absorbed form: every head's query in latent space, attention
+        over the latent pages alone, the value up-projection after it (shared/model/mla.py)."""
+        mla, x = self.mla, self.embed[token_ids]
+        for i, layer in enumerate(self.layers):
+            normed = self._rms_norm(x, layer.input_norm)
+            q_nope, q_rope = mla.queries(layer.mla, normed, positions)
+            pool.write_latent(i, pages, offsets, mla.latents(layer.mla, normed, positions))
+            out = decode_attention(mla.absorb(layer.mla, q_nope), q_rope, pool, i, page_table, seq_lens, self.scale)
+            x = x + self.tp.all_reduce(linear(mla.unabsorb(layer.mla, out), layer.o_proj, layer.o_proj_scale,
                                               layer.o_proj_bias))
             x = self._mlp_block(layer, x)
         return self._logits(x)

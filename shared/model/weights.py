@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from shared.model.loader import UnsupportedModel
+from shared.model.mla import MlaWeights
 from shared.model.moe import MoeWeights, check_supported
 from shared.model.quantization import quantize_weight
 
@@ -15,7 +16,7 @@ from shared.model.quantization import quantize_weight
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | None  # None in an MLA layer (mla below)
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
@@ -33,11 +34,13 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     # The experts that replace the dense MLP in a mixture-of-experts layer (shared/model/moe.py).
     moe: MoeWeights | None = None
+    # DeepSeek's multi-head latent attention in place of q/k/v (shared/model/mla.py).
+    mla: MlaWeights | None = None
 
     def quantize_fp8(self) -> None:
         """Replaces each linear weight by its FP8 form and scale, freeing the original."""
-        if self.moe is not None:
-            raise UnsupportedModel("FP8 weights for a mixture-of-experts model are not implemented: "
+        if self.moe is not None or self.mla is not None:
+            raise UnsupportedModel("FP8 weights for a mixture-of-experts or MLA model are not implemented: "
                                    'serve it with model.quantization = "none"')
         for name in QUANTIZED:
             weight, scale = quantize_weight(getattr(self, name))
@@ -45,17 +48,23 @@ class LayerWeights:
             setattr(self, f"{name}_scale", scale)
 
     def named(self) -> dict[str, torch.Tensor]:
-        """Every tensor by name, the experts' as moe.<name>."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "moe"}
-        if self.moe is not None:
-            tensors |= {f"moe.{name}": t for name, t in self.moe.named().items()}
+        """Every tensor by name, the experts' as moe.<name>, MLA's as mla.<name>."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NESTED}
+        for part in _NESTED:
+            if getattr(self, part) is not None:
+                tensors |= {f"{part}.{name}": t for name, t in getattr(self, part).named().items()}
         return {name: t for name, t in tensors.items() if t is not None}
 
     @classmethod
     def from_named(cls, tensors: dict[str, torch.Tensor]) -> "LayerWeights":
-        experts = {name.removeprefix("moe."): t for name, t in tensors.items() if name.startswith("moe.")}
-        return cls(**{f.name: tensors.get(f.name) for f in fields(cls) if f.name != "moe"},
-                   moe=MoeWeights.from_named(experts))
+        def part(prefix: str) -> dict[str, torch.Tensor]:
+            return {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
+
+        return cls(**{f.name: tensors.get(f.name) for f in fields(cls) if f.name not in _NESTED},
+                   moe=MoeWeights.from_named(part("moe.")), mla=MlaWeights.from_named(part("mla.")))
+
+
+_NESTED = ("moe", "mla")
 
 
 QUANTIZED = ("qkv", "o_proj", "gate_up", "down")  # a layer's linear weights; embed and lm_head stay
@@ -82,7 +91,7 @@ class LlamaWeights:
             lm_head=hf_model.lm_head.weight.detach(),
             cos=cos,
             sin=sin,
-            layers=[cls._layer(layer) for layer in body.layers],
+            layers=[cls._layer(layer, hf_model.config) for layer in body.layers],
         )
 
     @property
@@ -90,15 +99,16 @@ class LlamaWeights:
         return "fp8" if self.layers[0].qkv_scale is not None else "none"
 
     @staticmethod
-    def _layer(layer) -> LayerWeights:
+    def _layer(layer, config) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        latent = hasattr(attn, "kv_a_proj_with_mqa")
+        biases = [None] if latent else [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         experts = hasattr(mlp, "experts")
         if experts:
             check_supported(mlp)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+            qkv=None if latent else torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
             qkv_bias=torch.cat(biases).detach() if biases[0] is not None else None,
             o_proj=attn.o_proj.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
@@ -108,6 +118,7 @@ class LlamaWeights:
             q_norm=_head_norm(attn, "q_norm"),
             k_norm=_head_norm(attn, "k_norm"),
             moe=MoeWeights.from_hf(mlp) if experts else None,
+            mla=MlaWeights.from_hf(attn, config) if latent else None,
         )
 
     def named(self) -> dict[str, torch.Tensor]:
