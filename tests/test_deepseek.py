@@ -183,17 +183,18 @@ def test_two_ranks_of_their_heads_and_the_whole_latent_generate_what_one_process
 
 # ---- through the stack ----
 
-@pytest.fixture(scope="module")
-def stack(folders, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp("deepseek-stack"), CACHE_DIR,
-                      PDSERVE_MODEL_PATH=str(folders["v3"])) as services:
-        yield services
+@pytest.fixture(scope="module", params=["v3", "v2_lite"])
+def served(request, folders, tmp_path_factory):
+    with ServiceStack(tmp_path_factory.mktemp(f"deepseek-{request.param}"), CACHE_DIR,
+                      PDSERVE_MODEL_PATH=str(folders[request.param])) as services:
+        yield request.param, services
         services.stop_drained()
 
 
 @pytest.mark.e2e
-def test_the_stack_generates_transformers_greedy_tokens(stack, references, tokenizer):
-    check_served(stack, references["v3"], tokenizer, "deepseek-v3")
+def test_the_stack_generates_transformers_greedy_tokens(served, references, tokenizer):
+    variant, stack = served
+    check_served(stack, references[variant], tokenizer, f"deepseek {variant}")
 
 
 @pytest.fixture(scope="module")

@@ -80,8 +80,10 @@ def test_the_interpreted_merge_kernel_equals_its_expression(dtype):
     merged = attention_merge.merge_triton(out_a, lse_a, out_b, lse_b)
     expected = attention_merge.merge_reference(out_a, lse_a, out_b, lse_b)
     assert merged.is_contiguous()
-    ulp = 1e-5 if dtype == torch.float32 else 2 ** -6  # one bf16 ulp at the outputs' magnitude (< 4)
-    torch.testing.assert_close(merged, expected, atol=ulp, rtol=0)
+    # float32: rounding; bfloat16: one ulp of each output (2^-7 of it), which randn's draws above 4
+    # in magnitude made larger than the fixed 2^-6 this test had (about one run in ten failed)
+    tolerance = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=2 ** -9, rtol=2 ** -7)
+    torch.testing.assert_close(merged, expected, **tolerance)
 
 
 def test_the_merge_of_a_part_with_itself_is_that_part():

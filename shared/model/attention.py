@@ -59,10 +59,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         group = q.shape[1] // k.shape[1]
         k, v = (x[first:].repeat_interleave(group, dim=1) for x in (k, v))
         sdpa_args = {"attn_mask": _window_mask(length, context - first, window, q.device), "enable_gqa": False}
-    elif context == length:
-        sdpa_args = {"is_causal": True, "enable_gqa": True}
     else:
-        sdpa_args = {"attn_mask": causal_lower_right(length, context), "enable_gqa": True}
+        # GQA only where the heads differ: on the GPU it rules out SDPA's memory-efficient kernel,
+        # the one that takes MLA's keys and values of different widths (shared/model/mla.py).
+        grouped = q.shape[1] != k.shape[1]
+        sdpa_args = {"is_causal": True} if context == length else {"attn_mask": causal_lower_right(length, context)}
+        sdpa_args["enable_gqa"] = grouped
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, **sdpa_args,
