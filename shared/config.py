@@ -351,9 +351,6 @@ class Config:
         if self.decode.weights_from and (self.decode.tensor_parallel > 1 or self.prefill.tensor_parallel > 1):
             raise ConfigError("decode.weights_from maps a whole model that one prefill process holds: "
                               "it needs prefill.tensor_parallel and decode.tensor_parallel of 1")
-        if self.kv.transfer == "nixl" and self.prefill.tensor_parallel != self.decode.tensor_parallel:
-            raise ConfigError("kv.transfer nixl moves whole pages rank to rank: prefill.tensor_parallel and "
-                              "decode.tensor_parallel must be equal with it (shm or cuda_ipc pair any sizes)")
         if self.router.auth_token_file and self.router.auth_token:
             raise ConfigError("router.auth_token_file and router.auth_token are two sources of one token: set one")
 

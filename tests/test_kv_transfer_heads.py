@@ -2,10 +2,12 @@
 them (services/decode/kv_pull.py, shared/kv/transfer/choice.py heads_from), bit for bit, with
 scales where the pages are quantized; a kind that misses a head falls through, and a backend that
 moves whole pages only pairs rank to rank. Prefill ranks are pools of this process, exported as a
-rank would export its own; on a GPU (marked gpu) the same pulls go over cuda_ipc."""
+rank would export its own, pulled by the host's kind and by NIXL; on a GPU (marked gpu) the host's
+kind is cuda_ipc."""
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import pytest
@@ -19,7 +21,9 @@ from shared.kv.pool import PagedKvPool, allocate_local_pool, make_layout
 from shared.kv.transfer import ExportedPool, TransferError, export_pool, handles_of_ranks
 from shared.kv.transfer.choice import HOST_KIND
 from shared.kv.transfer.fake import FakeExport, Script
+from shared.kv.transfer.base import AllOf, Transfer, TransferState
 from shared.kv.transfer.local_copy import JointCopy, LocalCopy
+from shared.kv.transfer.nixl import NixlRead
 
 PAGE_SIZE = 4
 KV_HEADS = 3  # of the model
@@ -28,8 +32,14 @@ SPEC = {"num_layers": 2, "page_size": PAGE_SIZE, "head_dim": 8}
 SRC, DST = [9, 2, 5], [4, 0, 3]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                    reason="needs CUDA")])]
-WHOLE_PAGES_ONLY = ("FAKE moves whole pages: a prefill and a decode of different tensor_parallel sizes pair over "
-                    "shm or cuda_ipc")
+WHOLE_PAGES_ONLY = "FAKE moves whole pages: a prefill and a decode of different tensor_parallel sizes cannot pair over it"
+# "host": the host's own kind, shared memory or CUDA IPC (local copies on the decode's stream);
+# "nixl": NIXL reads, in this process over UCX, one per prefill rank of a run of heads per token.
+KINDS = ["host", pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None
+                                                                and importlib.util.find_spec("nixl_cu13") is None,
+                                                                reason="the NIXL package is not installed"))]
+JOINT = {"host": JointCopy, "nixl": AllOf}  # what a pull from several prefill ranks is
+ALONE = {"host": LocalCopy, "nixl": NixlRead}
 
 
 def layout(num_pages: int, heads: int, dtype: torch.dtype = torch.bfloat16):
@@ -63,14 +73,18 @@ def exports():
 
 
 def rank_exports(exports: list, device: str, first_heads: list[int], heads: int = 1,
-                 dtype: torch.dtype = torch.bfloat16) -> list[ExportedPool]:
+                 dtype: torch.dtype = torch.bfloat16, kind: str = "host") -> list[ExportedPool]:
     """A prefill rank's pool per first head, each with bits of its own."""
     for first in first_heads:
         exported = export_pool(layout(10, heads, dtype), f"test-tp-{uuid.uuid4().hex[:8]}", device,
-                               HOST_KIND[torch.device(device).type], first_kv_head=first)
+                               transfer_of(kind, device), first_kv_head=first)
         scramble(exported.pool, seed=len(exports))
         exports.append(exported)
     return exports[-len(first_heads):]
+
+
+def transfer_of(kind: str, device: str) -> str:
+    return HOST_KIND[torch.device(device).type] if kind == "host" else kind
 
 
 def decode_pool(device: str, heads: int, dtype: torch.dtype = torch.bfloat16) -> PagedKvPool:
@@ -91,44 +105,48 @@ def pull(puller: KvPuller, request_id: str = "r1", src: list[int] = SRC, dst: li
     return transfer
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-def test_a_decode_of_all_heads_pulls_each_from_the_prefill_rank_that_holds_it(exports, device, dtype):
-    ranks = rank_exports(exports, device, [0, 1, 2], dtype=dtype)
+def test_a_decode_of_all_heads_pulls_each_from_the_prefill_rank_that_holds_it(exports, device, dtype, kind):
+    ranks = rank_exports(exports, device, [0, 1, 2], dtype=dtype, kind=kind)
     local = decode_pool(device, KV_HEADS, dtype)
-    puller = KvPuller(local, SCRATCH, [].extend)
+    puller = KvPuller(local, SCRATCH, [].extend, transfer=transfer_of(kind, device))
     puller.map_pool("prefill-0", handles_of_ranks([rank.handles for rank in ranks]))
     assert [source.handle.first_kv_head for source in puller.pools["prefill-0"].sources] == [0, 1, 2]
-    assert isinstance(pull(puller), JointCopy)
+    assert isinstance(pull(puller), JOINT[kind])
     for head, rank in enumerate(ranks):
         assert_same(heads_of(local, DST, slice(head, head + 1)), heads_of(rank.pool, SRC))
     assert all(torch.all(bits == -7) for bits in heads_of(local, [1, 2, 5]))  # pages beyond the request
     puller.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_decode_ranks_of_one_head_each_pull_their_head_of_one_prefill_pool(exports, device, dtype):
-    [prefill] = rank_exports(exports, device, [0], heads=KV_HEADS, dtype=dtype)
+def test_decode_ranks_of_one_head_each_pull_their_head_of_one_prefill_pool(exports, device, dtype, kind):
+    [prefill] = rank_exports(exports, device, [0], heads=KV_HEADS, dtype=dtype, kind=kind)
     for head in range(KV_HEADS):
         local = decode_pool(device, 1, dtype)
-        puller = KvPuller(local, SCRATCH, [].extend, kv_heads=range(head, head + 1))
+        puller = KvPuller(local, SCRATCH, [].extend, kv_heads=range(head, head + 1), transfer=transfer_of(kind, device))
         puller.map_pool("prefill-0", prefill.handles)
-        assert isinstance(pull(puller), LocalCopy)
+        assert isinstance(pull(puller), ALONE[kind])
         assert_same(heads_of(local, DST), heads_of(prefill.pool, SRC, slice(head, head + 1)))
         puller.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_ranks_pair_across_sizes_that_split_the_heads_unevenly_and_many_pulls_wrap_the_id_staging(exports, device):
+def test_ranks_pair_across_sizes_that_split_the_heads_unevenly_and_many_pulls_wrap_the_id_staging(exports, device,
+                                                                                                   kind):
     """A 6-head model from prefill TP 3 (heads 0-1, 2-3, 4-5) into decode TP 2 (heads 0-2, 3-5):
     each decode rank takes part of one prefill rank's heads and all of another's."""
-    ranks = rank_exports(exports, device, [0, 2, 4], heads=2)
+    ranks = rank_exports(exports, device, [0, 2, 4], heads=2, kind=kind)
     handles = handles_of_ranks([rank.handles for rank in ranks])
     for decode_rank, expected in enumerate([[(0, 0, 2), (0, 2, 1)], [(1, 0, 1), (0, 1, 2)]]):
         heads = range(3 * decode_rank, 3 * decode_rank + 3)
         local = decode_pool(device, 3)
-        puller = KvPuller(local, SCRATCH, [].extend, kv_heads=heads)
+        puller = KvPuller(local, SCRATCH, [].extend, kv_heads=heads, transfer=transfer_of(kind, device))
         puller.map_pool("prefill-0", handles)
         assert [piece for _, piece in puller.pools["prefill-0"].pieces] == expected
         for i in range(8):
@@ -194,14 +212,6 @@ def test_a_backend_of_whole_pages_pairs_rank_to_rank_and_refuses_other_sizes_whe
         rank.pools["prefill-0"].sources[0].start("r2", torch.tensor(SRC).numpy(), DST, (0, 0, 1))
 
 
-def test_nixl_moves_whole_pages_only():
-    from shared.kv.transfer.base import whole_pages_only
-    from shared.kv.transfer.nixl import NixlBackend
-    assert not NixlBackend.head_slices
-    assert str(whole_pages_only("nixl")) == ("NIXL moves whole pages: a prefill and a decode of different "
-                                             "tensor_parallel sizes pair over shm or cuda_ipc")
-
-
 def test_register_lists_every_ranks_handle_of_a_kind_before_the_next_kind_and_the_router_keeps_it():
     def handle(kind: str, head: int) -> KvPoolHandle:
         return KvPoolHandle(kind, f"{kind}-{head}".encode(), layout(4, 1), head)
@@ -215,3 +225,42 @@ def test_register_lists_every_ranks_handle_of_a_kind_before_the_next_kind_and_th
 def test_a_decode_rank_names_as_many_heads_as_its_pool_holds():
     with pytest.raises(ValueError, match="2 KV heads for a pool of 1"):
         KvPuller(decode_pool("cpu", 1), SCRATCH, [].extend, kv_heads=range(2))
+
+
+class Scripted(Transfer):
+    """A read from one prefill rank whose state and settling the test sets."""
+
+    def __init__(self):
+        super().__init__("r1", "prefill-0")
+        self.writing = False
+
+    def poll(self) -> TransferState:
+        return self.state
+
+    def cancel(self, reason: str) -> None:
+        if not self.state.finished:
+            self.fail(reason)
+
+    def settled(self) -> bool:
+        return not self.writing
+
+
+def test_reads_from_several_ranks_land_together_and_fail_with_the_first_that_fails():
+    first, second = Scripted(), Scripted()
+    joint = AllOf([first, second])
+    first.advance(TransferState.TRANSFERRING)
+    assert joint.poll() is TransferState.TRANSFERRING
+    first.land()
+    assert joint.poll() is TransferState.TRANSFERRING  # the other rank's heads are not there yet
+    second.land()
+    assert joint.poll() is TransferState.DONE and joint.landed is max(first.landed, second.landed, key=lambda m: m.at)
+
+    first, second = Scripted(), Scripted()
+    joint = AllOf([first, second])
+    second.writing = True
+    first.fail("NIXL read failed: ERR")
+    assert joint.poll() is TransferState.FAILED and joint.error == "NIXL read failed: ERR"
+    assert second.state is TransferState.FAILED  # cancelled with it
+    assert not joint.settled()  # the other read's bytes still come: its pages wait
+    second.writing = False
+    assert joint.settled()

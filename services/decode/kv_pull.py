@@ -30,7 +30,7 @@ from shared.control.messages import DecodeTask, KvLayout, KvPoolHandle
 from shared.kv.pages import pages_for
 from shared.kv.pool import PagedKvPool
 from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
-from shared.kv.transfer.base import HeadSlice, whole_pages_only
+from shared.kv.transfer.base import AllOf, HeadSlice, whole_pages_only
 from shared.kv.transfer.choice import heads_from
 from shared.kv.transfer.local_copy import JointCopy
 from shared.kv.transfer.nixl import NixlBackend
@@ -52,9 +52,21 @@ class PrefillPool:
         self.sources = list(dict.fromkeys(source for source, _ in pieces))
 
     def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int]) -> Transfer:
-        copies = [source.start(request_id, src_pages, dst_pages, heads) for source, heads in self.pieces]
-        # Several pieces come only from a backend with head_slices (KvPuller._open): stream-ordered copies.
-        return copies[0] if len(copies) == 1 else JointCopy(copies)
+        copies: list[Transfer] = []
+        try:
+            for source, heads in self.pieces:
+                copies.append(source.start(request_id, src_pages, dst_pages, heads))
+        except TransferError as exc:
+            if not copies:
+                raise
+            started = AllOf(copies)  # failed, yet what it started must settle before its pages go back
+            started.cancel(str(exc))
+            return started
+        # Several pieces come only from a backend with head_slices (KvPuller._open): copies on the
+        # decode's stream, which land in order, or reads that land each on their own (NIXL).
+        if len(copies) == 1:
+            return copies[0]
+        return JointCopy(copies) if copies[0].stream_ordered else AllOf(copies)
 
     def close(self) -> None:
         for source in self.sources:

@@ -62,9 +62,9 @@ HeadSlice = tuple[int, int, int]
 
 
 def whole_pages_only(kind: str) -> TransferError:
-    """A backend that moves raw pages (KvPoolHandle.backend `kind`) cannot move some heads of them."""
+    """A backend that moves whole pages only (KvPoolHandle.backend `kind`) cannot move some heads of them."""
     return TransferError(f"{kind.upper()} moves whole pages: a prefill and a decode of different tensor_parallel sizes "
-                         "pair over shm or cuda_ipc")
+                         "cannot pair over it")
 
 
 class TransferState(IntEnum):
@@ -124,6 +124,38 @@ class Transfer(abc.ABC):
     def fail(self, reason: str) -> None:
         self.advance(TransferState.FAILED)
         self.error = reason
+
+
+class AllOf(Transfer):
+    """One request's transfers from several prefill ranks that each land on their own (NIXL reads):
+    DONE once all are, FAILED as soon as one is (the others cancelled), settled once all are."""
+
+    def __init__(self, parts: list[Transfer]):
+        super().__init__(parts[0].request_id, parts[0].prefill_worker_id)
+        self.parts = parts
+        self.started_at = parts[0].started_at
+
+    def poll(self) -> TransferState:
+        if self.state.finished:
+            return self.state
+        states = [part.poll() for part in self.parts]
+        failed = next((part for part in self.parts if part.state is TransferState.FAILED), None)
+        if failed is not None:
+            self.cancel(failed.error)
+        elif all(state is TransferState.DONE for state in states):
+            self.land(max((part.landed for part in self.parts), key=lambda moment: moment.at))
+        elif self.state is TransferState.PREPARING and TransferState.TRANSFERRING in states:
+            self.advance(TransferState.TRANSFERRING)
+        return self.state
+
+    def cancel(self, reason: str) -> None:
+        for part in self.parts:
+            part.cancel(reason)
+        if not self.state.finished:
+            self.fail(reason)
+
+    def settled(self) -> bool:
+        return all([part.settled() for part in self.parts])  # a list: each settles what it can
 
 
 class Source(abc.ABC):

@@ -7,7 +7,11 @@
              NixlSource, per prefill pool, loads the prefill's agent (add_remote_agent) and
              prepares the remote descriptors; NixlRead, per request, is one prepared READ of
              exactly the request's pages in every shard (shared/kv/pool.py shard_regions),
-             the request id as its notification to the prefill.
+             the request id as its notification to the prefill. Between a prefill and a decode
+             of different tensor-parallel sizes a decode rank reads some heads of each page
+             from each prefill rank that holds them: one READ per prefill rank, of descriptors
+             made for the request (a run of heads per token: nixl_agent.head_regions), all of
+             them one transfer to the decode (AllOf).
 
 Nothing here waits: a read is posted and then polled. A read cannot be called back: releasing an
 unfinished one returned at once here, yet its bytes went on landing in the decode's pages (seen
@@ -29,8 +33,8 @@ import torch
 
 from shared.control.messages import KvLayout, KvPoolHandle
 from shared.kv.pool import PagedKvPool, allocate_local_pool, layout_bytes, shard_regions
-from shared.kv.transfer.base import Backend, HeadSlice, Source, Transfer, TransferError, TransferState, whole_pages_only
-from shared.kv.transfer.nixl_agent import descriptor_ids, memory_of, new_agent, page_regions
+from shared.kv.transfer.base import Backend, HeadSlice, Source, Transfer, TransferError, TransferState
+from shared.kv.transfer.nixl_agent import descriptor_ids, head_regions, memory_of, new_agent, page_regions
 from shared.kv.transfer.nixl_network import LOOPBACK
 
 log = structlog.get_logger()
@@ -76,11 +80,12 @@ class NixlBackend(Backend):
     prefills' agents it has loaded, each counted by the sources that use it."""
 
     device_types = ("cpu", "cuda")  # UCX moves host and device memory alike
+    head_slices = True
 
     def __init__(self, local: PagedKvPool, scratch_page: int, net_devices: str = LOOPBACK):
         super().__init__(local, scratch_page)
         self.agent = new_agent("decode", net_devices)
-        memory = memory_of(local)
+        self.memory = memory = memory_of(local)
         address, size, self.kind, device_id = memory
         self._registered = self.agent.register_memory([(address, size, device_id, "")], self.kind)
         self.descriptors = self.agent.prep_xfer_dlist(LOCAL, page_regions(memory, local.layout), self.kind)
@@ -124,6 +129,7 @@ class NixlSource(Source):
     def __init__(self, backend: NixlBackend, prefill_worker_id: str, handle: KvPoolHandle):
         super().__init__(prefill_worker_id, handle)
         metadata, memory = parse_locator(handle)
+        self.memory = memory
         self.backend = backend
         agent = backend.agent
         self.remote = backend.load_remote(metadata)
@@ -138,8 +144,7 @@ class NixlSource(Source):
 
     def start(self, request_id: str, src_pages: np.ndarray, dst_pages: list[int],
               heads: HeadSlice | None = None) -> NixlRead:
-        if heads is not None:
-            raise whole_pages_only(BACKEND)
+        """heads (ours first, the decode's first, count): only those heads of each page."""
         backend, layout = self.backend, self.handle.layout
         dst = np.asarray(dst_pages, dtype=np.int64)
         if len(src_pages) != len(dst):
@@ -149,15 +154,27 @@ class NixlSource(Source):
         if len(dst) and (dst.min() < 0 or dst.max() >= backend.local.layout.num_pages):
             raise TransferError(f"destination page ids outside [0, {backend.local.layout.num_pages})")
         try:
-            handle = backend.agent.make_prepped_xfer(
-                "READ", backend.descriptors, descriptor_ids(dst, backend.num_shards, backend.local.layout.num_pages),
-                self.descriptors, descriptor_ids(src_pages, backend.num_shards, layout.num_pages),
-                request_id.encode())
+            if heads is None:
+                handle = backend.agent.make_prepped_xfer(
+                    "READ", backend.descriptors, descriptor_ids(dst, backend.num_shards, backend.local.layout.num_pages),
+                    self.descriptors, descriptor_ids(src_pages, backend.num_shards, layout.num_pages),
+                    request_id.encode())
+            else:
+                handle = self._read_heads(request_id, src_pages, dst, heads)
         except Exception as exc:
             raise TransferError(f"cannot prepare the NIXL read: {exc}") from None
         read = NixlRead(request_id, self, handle)
         read.follow(backend.agent.transfer)
         return read
+
+    def _read_heads(self, request_id: str, src_pages: np.ndarray, dst: np.ndarray, heads: HeadSlice):
+        backend, (src_first, dst_first, count) = self.backend, heads
+        agent = backend.agent
+        local = agent.get_xfer_descs(head_regions(backend.memory, backend.local.layout, dst, dst_first, count),
+                                     backend.kind)
+        remote = agent.get_xfer_descs(head_regions(self.memory, self.handle.layout, src_pages, src_first, count),
+                                      self.memory[2])
+        return agent.initialize_xfer("READ", local, remote, self.remote, request_id.encode())
 
     def close(self) -> None:
         """Lets go of the pool now; its agent goes once the last read from it has settled."""

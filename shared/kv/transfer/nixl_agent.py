@@ -83,6 +83,28 @@ def page_regions(pool_memory: tuple[int, int, str, int], layout) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def head_regions(pool_memory: tuple[int, int, str, int], layout, pages: np.ndarray, first: int,
+                 count: int) -> np.ndarray:
+    """Heads first .. first + count - 1 of these pages, as NIXL descriptor rows: one per shard (scale
+    shards included), page and token, in that order, each the token's run of those heads. A page
+    holds its tokens' heads side by side ([page_size, kv_heads, ...]), so some heads of a page are
+    page_size runs, not one region: two pools of other head counts pair row for row."""
+    address, _, _, device_id = pool_memory
+    tokens = np.arange(layout.page_size, dtype=np.uint64)
+    pages = pages.astype(np.uint64)
+    rows = []
+    for offset, page_bytes in shard_regions(layout):
+        token_bytes = page_bytes // layout.page_size
+        head_bytes = token_bytes // layout.num_kv_heads
+        starts = address + offset + pages[:, None] * page_bytes + tokens[None, :] * token_bytes + first * head_bytes
+        shard = np.empty((starts.size, 3), dtype=np.uint64)
+        shard[:, 0] = starts.ravel()
+        shard[:, 1] = count * head_bytes
+        shard[:, 2] = device_id
+        rows.append(shard)
+    return np.concatenate(rows)
+
+
 def descriptor_ids(pages: np.ndarray, num_shards: int, num_pages: int) -> np.ndarray:
     """The descriptors of these pages in every shard, in page_regions' numbering."""
     shard_starts = np.arange(num_shards, dtype=np.int64)[:, None] * num_pages
