@@ -12,7 +12,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
-from shared.kv.pages import PageAllocator, pages_for
+from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
 from tests.reference import assert_matches_reference, reference_greedy
 
@@ -75,21 +75,10 @@ def test_the_gpu_path_equals_the_cpu_path(hf):
 
 
 def test_a_graph_replay_equals_the_eager_step(hf):
-    from services.decode.cuda_graphs import GraphedDecode
     from shared.model.llama import PagedLlama
-    from tests.decode_inputs import prefilled_step_inputs
+    from tests.decode_inputs import assert_graph_replay_equals_eager
 
-    model = PagedLlama.from_hf(hf, "cuda:0")
-    layout = model.kv_layout(64, PAGE)
-    pool, _ = allocate_local_pool(layout, "cuda:0")
-    allocator = PageAllocator(layout.num_pages)
-    graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 16, [1, 4])
-    inputs = prefilled_step_inputs(model, pool, allocator, [5, 40, 17])
-    kv_before = pool.kv.clone()
-    graphed = graphs.step(inputs).clone()
-    pool.kv.copy_(kv_before)
-    eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)
-    torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+    assert_graph_replay_equals_eager(PagedLlama.from_hf(hf, "cuda:0"))
 
 
 def test_greedy_tokens_equal_transformers_on_the_gpu(hf):

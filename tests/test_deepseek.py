@@ -24,8 +24,8 @@ from tests.stack import ServiceStack, free_port
 from tests.test_kv_quant_e2e import check_cached_prefix, check_greedy_tokens
 from tests.test_metrics import scrape, value
 from tests.test_tensor_parallel_model import KV_DTYPES, LOGITS_ATOL, greedy_run, run_rank
-from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, greedy_logits, pool_for,
-                              save_tiny)
+from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, checkpoint_stack, greedy_logits,
+                              pool_for, save_tiny)
 
 # Small enough to run in seconds, every part of the architecture there: a dense first layer
 # (first_k_dense_replace), then layers of routed and shared experts.
@@ -185,10 +185,8 @@ def test_two_ranks_of_their_heads_and_the_whole_latent_generate_what_one_process
 
 @pytest.fixture(scope="module", params=["v3", "v2_lite"])
 def served(request, folders, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp(f"deepseek-{request.param}"), CACHE_DIR,
-                      PDSERVE_MODEL_PATH=str(folders[request.param])) as services:
+    with checkpoint_stack(folders[request.param], tmp_path_factory, f"deepseek-{request.param}") as services:
         yield request.param, services
-        services.stop_drained()
 
 
 @pytest.mark.e2e

@@ -155,21 +155,10 @@ def test_decode_stream_has_the_highest_priority():
 
 
 def test_graphed_decode_equals_eager():
-    from services.decode.cuda_graphs import GraphedDecode
     from shared.model.llama import load_paged_llama
-    from tests.decode_inputs import prefilled_step_inputs
+    from tests.decode_inputs import assert_graph_replay_equals_eager
 
-    model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
-    layout = model.kv_layout(256, 16)
-    pool, _ = allocate_local_pool(layout, "cuda:0")
-    allocator = PageAllocator(layout.num_pages)
-    graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], 64, [1, 4, 8])
-    inputs = prefilled_step_inputs(model, pool, allocator, [5, 40, 17])
-    kv_before = pool.kv.clone()
-    graphed = graphs.step(inputs).clone()
-    pool.kv.copy_(kv_before)
-    eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)
-    torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+    assert_graph_replay_equals_eager(load_paged_llama("random:llama-tiny", "float32", "cuda:0"))
 
 
 def test_programmatic_launch_leaves_the_step_bit_identical():

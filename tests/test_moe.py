@@ -22,10 +22,8 @@ from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.loader import UnsupportedModel, layer_windows, load_hf_config
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights
-from tests.conftest import CACHE_DIR
-from tests.stack import ServiceStack
-from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, fused_decode, greedy_logits,
-                              pool_for, save_tiny)
+from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, checkpoint_stack, fused_decode,
+                              greedy_logits, pool_for, save_tiny)
 
 SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, num_experts_per_tok=2, initializer_range=0.05)
@@ -169,10 +167,8 @@ def test_the_model_types_load_and_mixtrals_window_covers_every_layer(folders, ch
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe_mixed"])
 def served(request, folders, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp(f"{request.param}-stack"), CACHE_DIR,
-                      PDSERVE_MODEL_PATH=str(folders[request.param])) as services:
+    with checkpoint_stack(folders[request.param], tmp_path_factory, f"{request.param}-stack") as services:
         yield request.param, services
-        services.stop_drained()
 
 
 @pytest.mark.e2e

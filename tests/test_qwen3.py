@@ -7,7 +7,9 @@ skipped norm), the embedded model's tokenizer beside it."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -176,12 +178,18 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ", "Zürich, 
 SYSTEM = "You are a careful assistant. You answer every question briefly, in one sentence, and never more. "
 
 
-@pytest.fixture(scope="module")
-def stack(folders, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp("qwen3-stack"), CACHE_DIR,
-                      PDSERVE_MODEL_PATH=str(folders["tied"])) as services:
+@contextmanager
+def checkpoint_stack(folder: Path, tmp_path_factory, name: str) -> Iterator[ServiceStack]:
+    """The whole stack serving the checkpoint in `folder`, drained at the end."""
+    with ServiceStack(tmp_path_factory.mktemp(name), CACHE_DIR, PDSERVE_MODEL_PATH=str(folder)) as services:
         yield services
         services.stop_drained()
+
+
+@pytest.fixture(scope="module")
+def stack(folders, tmp_path_factory):
+    with checkpoint_stack(folders["tied"], tmp_path_factory, "qwen3-stack") as services:
+        yield services
 
 
 def generate(stack, prompt: list[int]) -> tuple[list[int], int]:

@@ -44,6 +44,7 @@ from shared.kernels.paged_attention_triton import (
     _choose_num_splits,
     _num_sms,
     _paged_decode_reduce_kernel,
+    _split_range,
 )
 from shared.kernels.triton_support import (
     pdl_options,
@@ -91,14 +92,7 @@ if triton is not None:
         b = tl.program_id(2)
         head_mask = heads < num_heads
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        # The first token read (0 without a window, which comes as _NO_WINDOW). Chunks start on
-        # BLOCK_N multiples from its tile, so every tile a program visits holds a token it reads.
-        begin = tl.maximum(seq_len - window, 0)
-        base = begin // BLOCK_N * BLOCK_N
-        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-        lo = base + split * chunk
-        hi = tl.minimum(lo + chunk, seq_len)
+        begin, lo, hi = _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
 
         r = tl.arange(0, RANK)
         e = tl.arange(0, ROPE)

@@ -168,6 +168,19 @@ if triton is not None:
         return tl.max(top, axis=0)
 
     @triton.jit
+    def _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N: tl.constexpr):
+        """Sequence b's split `split`: the first token it reads (0 without a window, which comes as
+        _NO_WINDOW) and its tokens lo..hi-1. Chunks start on BLOCK_N multiples from the tile that
+        holds the first token, so only the first tile of a window and the last of a sequence are
+        partial, and every tile a program visits holds a token it reads."""
+        seq_len = tl.load(seq_lens_ptr + b)
+        begin = tl.maximum(seq_len - window, 0)
+        base = begin // BLOCK_N * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * chunk
+        return begin, lo, tl.minimum(lo + chunk, seq_len)
+
+    @triton.jit
     def _paged_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page_table_ptr, seq_lens_ptr,
         m_ptr, l_ptr, acc_ptr,
@@ -186,15 +199,7 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        # The first token read (0 without a window, which comes as _NO_WINDOW), and the tile that holds it.
-        begin = tl.maximum(seq_len - window, 0)
-        base = begin // BLOCK_N * BLOCK_N
-        # Chunk boundaries on BLOCK_N multiples so only the first tile of a window and the last of a
-        # sequence are partial.
-        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-        lo = base + split * chunk
-        hi = tl.minimum(lo + chunk, seq_len)
+        begin, lo, hi = _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
