@@ -140,6 +140,14 @@ class PagedKvPool:
     def latent_scale(self, layer: int) -> torch.Tensor | None:
         return None if self.scales is None else self.scales[layer]
 
+    def read_tokens(self, shard: int, pages: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `count` tokens of the pages (in order) in one shard, dequantized where the pool
+        is quantized, in dtype: a cached prefix as the prefill reads it back."""
+        values = self.kv[shard][pages].flatten(0, 1)[:count]
+        if self.scales is None:
+            return values.to(dtype)
+        return kv_quant.dequantize(values, self.scales[shard][pages].flatten(0, 1)[:count], dtype)
+
     def write_latent(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
         """Tokens' latents [N, 1, kv_lora_rank + qk_rope_head_dim] into their slots, quantized where the pool is."""
         if self.scales is None:

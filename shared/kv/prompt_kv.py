@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels import kv_quant
 from shared.kv.pool import PagedKvPool
 
 
@@ -29,10 +28,7 @@ class PromptKv:
     def load_prefix(self, pool: PagedKvPool, layer: int, pages: torch.Tensor, count: int) -> None:
         """The first `count` tokens' K and V of `layer`, from the pages that hold them (in order)."""
         for shard, staged in ((2 * layer, self.k), (2 * layer + 1, self.v)):
-            values = pool.kv[shard][pages].flatten(0, 1)[:count]
-            if pool.scales is not None:
-                values = kv_quant.dequantize(values, pool.scales[shard][pages].flatten(0, 1)[:count], staged.dtype)
-            staged[:count] = values
+            staged[:count] = pool.read_tokens(shard, pages, count, staged.dtype)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A chunk's K and V [T, kv_heads, head_dim], as computed, at positions start onwards."""

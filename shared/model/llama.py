@@ -266,6 +266,7 @@ class PagedLlama:
         """A step of MLA layers in the absorbed form: every head's query in latent space, attention
         over the latent pages alone, the value up-projection after it (shared/model/mla.py)."""
         mla, x = self.mla, self.embed[token_ids]
+        seq_lens = seq_lens.to(torch.int32)  # once, not in each layer's kernel call
         for i, layer in enumerate(self.layers):
             normed = self._rms_norm(x, layer.input_norm)
             q_nope, q_rope = mla.queries(layer.mla, normed, positions)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import kv_quant, mla_decode_triton
+from shared.kernels import mla_decode_triton
 from shared.kv.pool import PagedKvPool
 from shared.kv.prompt_kv import PromptKv
 from shared.model.elementwise import apply_rope, rms_norm
@@ -166,11 +166,7 @@ class Mla:
     def stage_prefix(self, w: MlaWeights, pool: PagedKvPool, layer: int, pages: torch.Tensor, count: int,
                      staged: PromptKv) -> None:
         """A cached prefix's first `count` latents of `layer`, read from its pages, expanded into staged."""
-        latent = pool.latent(layer)[pages].flatten(0, 1)[:count]
-        scales = pool.latent_scale(layer)
-        if scales is not None:
-            latent = kv_quant.dequantize(latent, scales[pages].flatten(0, 1)[:count], staged.k.dtype)
-        staged.write(0, *self.expand(w, latent.to(staged.k.dtype)))
+        staged.write(0, *self.expand(w, pool.read_tokens(layer, pages, count, staged.k.dtype)))
 
     def absorb(self, w: MlaWeights, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [B, H, nope] -> the same queries in latent space [B, H, rank]: q_nope W_uk per head."""
