@@ -1,7 +1,12 @@
-"""The prefill's causal attention, one layer of the 8B shape, each way the device has, side by side (JSON on stdout).
+"""The prefill's causal attention, one layer, each way the device has, side by side (JSON on stdout).
 
     python -m loadtest.engine.bench_prefill_attention [--cases 8192@0,32768@0,8192@57344,32768@122880,32768@491520]
-        [--repeats 5] [--out FILE]
+        [--shape llama-3.1-8b|deepseek-v2-lite] [--repeats 5] [--out FILE]
+
+--shape: the 8B's 32 query / 8 KV heads of 128, or DeepSeek-V2-Lite's prefill attention, 16 heads
+with keys of 192 (128 from the latent, 64 RoPE) and values of 128 (shared/model/mla.py); for it
+v_padded is also timed: the values zero-padded to the keys' width, so that kernels that want one
+head dim take them, the output cut back.
 
 A case T@B is T queries after B keys already in the pages: B = 0 a whole prompt (or its first
 chunk), causal from the top left; B > 0 a later chunk, or a chunk after a cached prefix, causal
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,71 +48,97 @@ from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, split_attention
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
-SCALE = HEAD_DIM ** -0.5
-LAYERS = 32
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int  # queries' and keys'
+    v_dim: int
+    layers: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+SHAPES = {"llama-3.1-8b": Shape(32, 8, 128, 128, 32), "deepseek-v2-lite": Shape(16, 16, 192, 128, 27)}
 CHECK_QUERIES, CHECK_BEFORE = 1024, 3072
 PAGE_SIZE = 16
 DEVICE = "cuda"
 LONG_PROMPT, LONG_CHUNK = 524288, 32768
 
 
-def attention_flops(queries: int, before: int) -> float:
+def attention_flops(shape: Shape, queries: int, before: int) -> float:
     """QK^T and PV over the keys each query sees: `before` earlier ones and the causal part of its own chunk."""
     seen = queries * before + queries * (queries + 1) / 2
-    return 4 * HEADS * HEAD_DIM * seen
+    return 2 * shape.heads * (shape.head_dim + shape.v_dim) * seen
 
 
-def inputs(queries: int, before: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k/v [B + T, KVH, D] as the prefill hands them over, bf16."""
+def inputs(shape: Shape, queries: int, before: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [B + T, KVH, D], v [B + T, KVH, Dv] as the prefill hands them over, bf16."""
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=generator)
-    k, v = (torch.randn(before + queries, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16,
-                        generator=generator) for _ in range(2))
+    q, k, v = (torch.randn(rows, heads, dim, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+               for rows, heads, dim in ((queries, shape.heads, shape.head_dim),
+                                        (before + queries, shape.kv_heads, shape.head_dim),
+                                        (before + queries, shape.kv_heads, shape.v_dim)))
     return q, k, v
 
 
 def held_to(backend: SDPBackend):
-    def call(q, k, v):
+    def call(q, k, v, scale):
         with sdpa_kernel(backend):
-            return attention.masked_attention(q, k, v, SCALE)
+            return attention.masked_attention(q, k, v, scale)
     return call
 
 
 def split(modes: tuple[str, str]):
-    def call(q, k, v):
+    def call(q, k, v, scale):
         forced = modes if k.shape[0] > q.shape[0] else (None, modes[1])
-        return split_attention.split_attention(q, k, v, SCALE, forced)
+        return split_attention.split_attention(q, k, v, scale, forced)
     return call
 
 
+def v_padded(q, k, v, scale):
+    padded = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+    return attention.prefill_attention(q, k, padded, scale)[..., : v.shape[-1]]
+
+
 WAYS = {
-    "today": lambda q, k, v: attention.masked_attention(q, k, v, SCALE),
+    "today": lambda q, k, v, scale: attention.masked_attention(q, k, v, scale),
     "flash": held_to(SDPBackend.FLASH_ATTENTION),
     "cudnn_whole": held_to(SDPBackend.CUDNN_ATTENTION),
     "cudnn_split": split((split_attention.GQA_NATIVE, split_attention.GQA_NATIVE)),
     "cudnn_split_stacked": split((split_attention.GQA_STACKED, split_attention.GQA_STACKED)),
-    "chosen": lambda q, k, v: attention.prefill_attention(q, k, v, SCALE),
+    "chosen": lambda q, k, v, scale: attention.prefill_attention(q, k, v, scale),
 }
 
 
-def run_way(name: str, queries: int, before: int, repeats: int, rate_tflops: float, max_mask_gib: float) -> dict:
+def ways(shape: Shape) -> dict:
+    if shape.kv_heads == shape.heads:  # no groups to stack
+        named = {name: fn for name, fn in WAYS.items() if name != "cudnn_split_stacked"}
+    else:
+        named = dict(WAYS)
+    return named | ({"v_padded": v_padded} if shape.v_dim != shape.head_dim else {})
+
+
+def run_way(shape: Shape, name: str, fn, queries: int, before: int, repeats: int, rate_tflops: float,
+            max_mask_gib: float) -> dict:
     mask_gib = 3 * queries * (before + queries) / GIB  # bool, then bf16
     if name == "cudnn_whole" and before and mask_gib > max_mask_gib:
         return {"skipped": f"the materialized mask would take {mask_gib:.1f} GiB"}
-    fn = WAYS[name]
-    q, k, v = inputs(queries, before)
+    q, k, v = inputs(shape, queries, before)
     try:
-        first_ms = first_call_ms(lambda: fn(q, k, v))
-        times = cuda_time_ms(lambda: fn(q, k, v), repeats)
+        first_ms = first_call_ms(lambda: fn(q, k, v, shape.scale))
+        times = cuda_time_ms(lambda: fn(q, k, v, shape.scale), repeats)
     except RuntimeError as exc:
         return {"refused": str(exc).splitlines()[0]}
     mean_ms = sum(times) / len(times)
-    flops = attention_flops(queries, before)
+    flops = attention_flops(shape, queries, before)
     bound_ms = flops / (rate_tflops * 1e12) * 1e3
     return {"ms": round(mean_ms, 3), "tflops": round(flops / mean_ms / 1e9, 1),
             "fraction_of_matmul_rate": round(bound_ms / mean_ms, 3), "bound_ms": round(bound_ms, 3),
-            "first_call_ms": round(first_ms, 1), "max_abs_diff_vs_math": max_diff(fn, queries, before)}
+            "first_call_ms": round(first_ms, 1), "max_abs_diff_vs_math": max_diff(shape, fn, queries, before)}
 
 
 def first_call_ms(fn) -> float:
@@ -117,36 +149,36 @@ def first_call_ms(fn) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def max_diff(fn, queries: int, before: int) -> float:
-    q, k, v = inputs(min(queries, CHECK_QUERIES), min(before, CHECK_BEFORE), seed=1)
-    return (fn(q, k, v).float() - math_backend(q, k, v)).abs().max().item()
+def max_diff(shape: Shape, fn, queries: int, before: int) -> float:
+    q, k, v = inputs(shape, min(queries, CHECK_QUERIES), min(before, CHECK_BEFORE), seed=1)
+    return (fn(q, k, v, shape.scale).float() - math_backend(q, k, v, shape.scale)).abs().max().item()
 
 
-def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     length, context = q.shape[0], k.shape[0]
     seen = torch.arange(context, device=DEVICE)[None, :] <= torch.arange(length, device=DEVICE)[:, None] + (
         context - length)
     with sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in (q, k, v)), attn_mask=seen,
-                                             scale=SCALE, enable_gqa=True)
+                                             scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
-def sdpa_default(queries: int) -> str:
+def sdpa_default(shape: Shape, queries: int) -> str:
     """The backend SDPA itself picks for a whole causal prompt of this length."""
-    q, k, v = (x.transpose(0, 1)[None] for x in inputs(queries, 0))
+    q, k, v = (x.transpose(0, 1)[None] for x in inputs(shape, queries, 0))
     try:
         return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)).name
     except (RuntimeError, TypeError, ValueError) as exc:
         return f"unknown: {exc}"
 
 
-def reading_earlier_kv(queries: int, before: int, pools: dict, repeats: int) -> dict:
+def reading_earlier_kv(shape: Shape, queries: int, before: int, pools: dict, repeats: int) -> dict:
     """One layer's cost, in ms: today's gather of the context from the pages, against the staging write."""
-    staged = PromptKv(before + queries, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device(DEVICE))
-    _, own_k, own_v = inputs(queries, 0)
+    staged = PromptKv(before + queries, shape.kv_heads, shape.head_dim, torch.bfloat16, torch.device(DEVICE))
+    _, own_k, own_v = inputs(shape, queries, 0)
     pages = pools["page_order"][: -(-(before + queries) // PAGE_SIZE)]
-    mean = lambda fn: sum(cuda_time_ms(fn, repeats)) / repeats  # noqa: E731
+    mean = lambda fn: sum(cuda_time_ms(fn, repeats)) / repeats
     return {
         "gather_bf16_ms": mean(lambda: staged.load_prefix(pools["bfloat16"], 0, pages, before + queries)),
         "gather_int8_ms": mean(lambda: (staged.load_prefix(pools["int8"], 0, pages, before),
@@ -155,41 +187,45 @@ def reading_earlier_kv(queries: int, before: int, pools: dict, repeats: int) -> 
     }
 
 
-def one_layer_pools(tokens: int) -> dict:
+def one_layer_pools(shape: Shape, tokens: int) -> dict:
     """A bf16 and an int8 pool of one layer holding `tokens`, and a random order of their pages."""
     pages = -(-tokens // PAGE_SIZE)
     pools = {"page_order": torch.randperm(pages, device=DEVICE)}
     for dtype, storage in (("bfloat16", torch.bfloat16), ("int8", torch.int8)):
-        pools[dtype] = allocate_local_pool(make_layout(1, pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, storage), DEVICE)[0]
+        pools[dtype] = allocate_local_pool(make_layout(1, pages, PAGE_SIZE, shape.kv_heads, shape.head_dim,
+                                                      storage), DEVICE)[0]
     return pools
 
 
-def long_prompt_gather_s(per_token_ms: float) -> float:
+def long_prompt_gather_s(shape: Shape, per_token_ms: float) -> float:
     """The gather summed over a LONG_PROMPT in LONG_CHUNK chunks, every layer: chunk c read c chunks."""
     chunks = LONG_PROMPT // LONG_CHUNK
-    return per_token_ms * LONG_CHUNK * chunks * (chunks + 1) / 2 * LAYERS / 1e3
+    return per_token_ms * LONG_CHUNK * chunks * (chunks + 1) / 2 * shape.layers / 1e3
 
 
 def run(args) -> dict:
     rate = matmul_tflops()
+    shape = SHAPES[args.shape]
     cases = [tuple(int(n) for n in case.split("@")) for case in args.cases.split(",")]
-    later = [(t, b) for t, b in cases if b]
-    pools = one_layer_pools(max(t + b for t, b in later)) if later else None
+    # MLA's pages hold latents, not these keys and values: the gather comparison is the 8B's alone.
+    later = [(t, b) for t, b in cases if b] if shape.v_dim == shape.head_dim else []
+    pools = one_layer_pools(shape, max(t + b for t, b in later)) if later else None
     report_cases = []
     for queries, before in cases:
         case = {"queries": queries, "keys_before": before}
         if not before:
-            case["sdpa_default"] = sdpa_default(queries)
-        for name in WAYS:
-            case[name] = run_way(name, queries, before, args.repeats, rate, args.max_mask_gib)
+            case["sdpa_default"] = sdpa_default(shape, queries)
+        for name, fn in ways(shape).items():
+            case[name] = run_way(shape, name, fn, queries, before, args.repeats, rate, args.max_mask_gib)
             torch.cuda.empty_cache()
-        if before:
-            case["reading_earlier_kv_per_layer"] = reading_earlier_kv(queries, before, pools, args.repeats)
+        if (queries, before) in later:
+            case["reading_earlier_kv_per_layer"] = reading_earlier_kv(shape, queries, before, pools, args.repeats)
         report_cases.append(case)
     report = {"benchmark": "prefill attention, one layer", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
               "avoid_recompile": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+              "shape": {"name": args.shape, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                        "head_dim": shape.head_dim, "v_dim": shape.v_dim, "dtype": "bfloat16"},
               "matmul_tflops": round(rate, 1), "cases": report_cases}
     if later:
         queries, before = max(later, key=sum)
@@ -197,7 +233,7 @@ def run(args) -> dict:
         per_token = {kind: reading["reading_earlier_kv_per_layer"][f"gather_{kind}_ms"] / (queries + before)
                      for kind in ("bf16", "int8")}
         report[f"gather_over_a_{LONG_PROMPT}_token_prompt_in_{LONG_CHUNK}_chunks_s"] = {
-            kind: round(long_prompt_gather_s(ms), 2) for kind, ms in per_token.items()}
+            kind: round(long_prompt_gather_s(shape, ms), 2) for kind, ms in per_token.items()}
     return report
 
 
@@ -205,6 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8192@0,32768@0,8192@57344,32768@122880,32768@491520",
                         help="QUERIES@KEYS_BEFORE, comma-separated")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-mask-gib", type=float, default=4.0,
                         help="cudnn_whole's materialized bottom-right mask above this is skipped")
