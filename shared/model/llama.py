@@ -190,8 +190,8 @@ class PagedLlama:
         latent = mla.latents(layer.mla, normed, positions)
         pool.write_latent(index, *slots, latent)
         staged.write(begin, *mla.expand(layer.mla, latent))
-        out = attention.masked_attention(torch.cat([q_nope, q_rope], dim=-1), staged.k[:end], staged.v[:end],
-                                         self.scale)
+        out = attention.prefill_attention(torch.cat([q_nope, q_rope], dim=-1), staged.k[:end], staged.v[:end],
+                                          self.scale)
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         x.copy_(self._mlp_block(layer, x + attn))
 
