@@ -23,6 +23,7 @@ from shared.kernels import fused_triton, kv_quant
 from shared.kernels.fused_triton import (
     add_rms_norm,
     rms_norm,
+    rope_rows_per_program,
     rope_write_kv,
     silu_and_mul,
 )
@@ -193,6 +194,13 @@ def test_rope_write_kv(rows, head_dim, num_heads, num_kv_heads):
     check_rope(rows, num_heads, num_kv_heads, head_dim, torch.float32, DEVICE, FP32_TOL)
 
 
+def test_rope_write_kv_over_a_prefill_chunk():
+    """A prefill chunk's rows go ROWS a program, the last block partly past the end."""
+    rows = 530
+    assert rope_rows_per_program(rows) > 1 and rows % rope_rows_per_program(rows)
+    check_rope(rows, 4, 2, 64, torch.float32, DEVICE, FP32_TOL)
+
+
 KV_FORMATS = [torch.int8, torch.float8_e4m3fn]
 
 
@@ -231,7 +239,8 @@ def check_rope_quantized(rows, num_heads, num_kv_heads, head_dim, dtype, kv_dtyp
 
 
 @pytest.mark.parametrize("kv_dtype", KV_FORMATS, ids=str)
-@pytest.mark.parametrize("rows,num_heads,num_kv_heads,head_dim", [(1, 2, 2, 64), (5, 8, 2, 64), (3, 8, 2, 128)])
+@pytest.mark.parametrize("rows,num_heads,num_kv_heads,head_dim",
+                         [(1, 2, 2, 64), (5, 8, 2, 64), (3, 8, 2, 128), (530, 2, 1, 64)])
 def test_rope_write_kv_quantized(kv_dtype, rows, num_heads, num_kv_heads, head_dim):
     check_rope_quantized(rows, num_heads, num_kv_heads, head_dim, torch.float32, kv_dtype, DEVICE,
                          exact=not COMPILED_CUDA)
@@ -309,7 +318,7 @@ def test_norms_bf16_cuda(rows):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 64, 200])
+@pytest.mark.parametrize("rows", [1, 64, 200, 8200])
 def test_rope_write_kv_bf16_cuda(rows):
     # Every op is correctly rounded at the points PyTorch rounds, so the match is exact.
     check_rope(rows, 32, 8, 128, torch.bfloat16, "cuda", {"atol": 0, "rtol": 0}, index_dtype=torch.int32)
@@ -318,7 +327,7 @@ def test_rope_write_kv_bf16_cuda(rows):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kv_dtype", KV_FORMATS, ids=str)
-@pytest.mark.parametrize("rows", [1, 64, 200])
+@pytest.mark.parametrize("rows", [1, 64, 200, 8200])
 def test_rope_write_kv_quantized_bf16_cuda(kv_dtype, rows):
     check_rope_quantized(rows, 32, 8, 128, torch.bfloat16, kv_dtype, "cuda", exact=False)
 

@@ -30,6 +30,10 @@ from shared.kernels.triton_support import pdl_options, require_triton, tl, trito
 _SILU_BLOCK = 1024
 # RMSNorm holds a whole row in registers: one warp per 256 columns, 4 to 16 warps.
 _NORM_COLS_PER_WARP = 256
+# rope_write_kv's rows per program from this many rows on: a prefill chunk's one-row programs (a
+# 1-warp program per row and head, 330K of them for 8K rows of the 8B) took ten times their bytes'
+# worth (docs/BENCHMARKS.md, Prefill); a decode step's few rows keep one row a program.
+_ROPE_BLOCKED_FROM_ROWS, _ROPE_ROWS_PER_PROGRAM = 512, 16
 
 
 if triton is not None:
@@ -60,12 +64,12 @@ if triton is not None:
 
     @triton.jit
     def _store_quantized(values_ptr, scale_ptr, x, mask, scale_mask, QMAX: tl.constexpr, ROUND: tl.constexpr):
-        """One (token, kv head) row x as x / s in the cache's format and s = max|x| / QMAX beside it,
-        as shared/kernels/kv_quant.py's quantize does."""
+        """Rows x [R, D], each one (token, kv head), as x / s in the cache's format and s = max|x| / QMAX
+        beside it ([R] scales), as shared/kernels/kv_quant.py's quantize does."""
         x = x.to(tl.float32)
-        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
         inverse = QMAX / tl.where(amax > 0, amax, 1.0)  # a row of zeros stays zeros, with scale 0
-        y = tl.minimum(tl.maximum(x * inverse, -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(x * inverse[:, None], -QMAX), QMAX)
         if ROUND:  # int8: half up, then exact in the conversion
             y = tl.floor(y + 0.5)
         tl.store(values_ptr, y.to(values_ptr.dtype.element_ty), mask=mask)
@@ -75,57 +79,59 @@ if triton is not None:
     def _rope_write_kv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, page_ptr, offset_ptr,
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr,
-        stride_qkv, stride_cos, stride_sin, stride_qn, stride_qh,
+        rows, stride_qkv, stride_cos, stride_sin, stride_qn, stride_qh,
         stride_kp, stride_kt, stride_kh,
         stride_vp, stride_vt, stride_vh,
         stride_sp, stride_st, stride_kon, stride_koh,
         num_heads, num_kv_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
-        ROUND: tl.constexpr, K_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+        ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
+        QMAX: tl.constexpr, ROUND: tl.constexpr, K_OUT: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
-        # Program (n, h): h < num_heads rotates q head h into q; otherwise kv head h - num_heads
-        # rotates k and copies v into the row's cache slot. The k heads follow the q heads in a qkv
-        # row, so head h starts at column h * HEAD_DIM either way.
-        n = tl.program_id(0).to(tl.int64)
+        # Program (b, h): rows b * ROWS onwards; h < num_heads rotates q head h into q; otherwise kv
+        # head h - num_heads rotates k and copies v into each row's cache slot. The k heads follow
+        # the q heads in a qkv row, so head h starts at column h * HEAD_DIM either way.
+        n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         h = tl.program_id(1)
         half = HEAD_DIM // 2
         d = tl.arange(0, BLOCK_D)
-        d_mask = d < HEAD_DIM
+        n_mask = n < rows
+        mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         # Per-element head index: a scalar-by-vector mask is rejected by the interpreter.
         is_q = (h + 0 * d) < num_heads
         kvh = h - num_heads
 
-        row = qkv_ptr + n * stride_qkv
-        x = tl.load(row + h * HEAD_DIM + d, mask=d_mask, other=0.0)
+        row = qkv_ptr + n[:, None] * stride_qkv
+        x = tl.load(row + h * HEAD_DIM + d[None, :], mask=mask, other=0.0)
         # rotate_half(x) = cat(-x[half:], x[:half]): element d pairs with d +- half.
         partner = tl.where(d < half, d + half, d - half)
-        x_pair = tl.load(row + h * HEAD_DIM + partner, mask=d_mask, other=0.0).to(tl.float32)
-        x_rot = tl.where(d < half, -x_pair, x_pair)
-        pos = tl.load(pos_ptr + n).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
+        x_pair = tl.load(row + h * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_rot = tl.where((d < half)[None, :], -x_pair, x_pair)
+        pos = tl.load(pos_ptr + n, mask=n_mask, other=0).to(tl.int64)[:, None]
+        cos = tl.load(cos_ptr + pos * stride_cos + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + d[None, :], mask=mask, other=0.0).to(tl.float32)
         # Each product rounded to the dtype before the sum, as `x * cos + rotated * sin` does.
         x_cos = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
         rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
         out = (x_cos + rot_sin).to(x.dtype)
 
-        tl.store(q_ptr + n * stride_qn + h * stride_qh + d, out, mask=d_mask & is_q)
+        tl.store(q_ptr + n[:, None] * stride_qn + h * stride_qh + d[None, :], out, mask=mask & is_q[None, :])
 
-        kv_mask = d_mask & ~is_q
+        kv_mask = mask & ~is_q[None, :]
         if K_OUT:
-            tl.store(k_out_ptr + n * stride_kon + kvh * stride_koh + d, out, mask=kv_mask)
+            tl.store(k_out_ptr + n[:, None] * stride_kon + kvh * stride_koh + d[None, :], out, mask=kv_mask)
         # int64: page * stride_kp overflows int32 for pools above 2**31 elements.
-        page = tl.load(page_ptr + n).to(tl.int64)
-        slot = tl.load(offset_ptr + n).to(tl.int64)
-        k_at = k_ptr + page * stride_kp + slot * stride_kt + kvh * stride_kh + d
-        v = tl.load(row + (num_heads + num_kv_heads + kvh) * HEAD_DIM + d, mask=kv_mask, other=0.0)
-        v_at = v_ptr + page * stride_vp + slot * stride_vt + kvh * stride_vh + d
+        page = tl.load(page_ptr + n, mask=n_mask, other=0).to(tl.int64)
+        slot = tl.load(offset_ptr + n, mask=n_mask, other=0).to(tl.int64)
+        k_at = k_ptr + (page * stride_kp + slot * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
+        v = tl.load(row + (num_heads + num_kv_heads + kvh) * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+        v_at = v_ptr + (page * stride_vp + slot * stride_vt + kvh * stride_vh)[:, None] + d[None, :]
         if QUANTIZED:
             # A q program's kvh is negative: its scale address is out of range, and masked.
             scale_at = page * stride_sp + slot * stride_st + kvh
-            _store_quantized(k_at, k_scale_ptr + scale_at, out, kv_mask, h >= num_heads, QMAX, ROUND)
-            _store_quantized(v_at, v_scale_ptr + scale_at, v, kv_mask, h >= num_heads, QMAX, ROUND)
+            scale_mask = n_mask & (h + 0 * n >= num_heads)
+            _store_quantized(k_at, k_scale_ptr + scale_at, out, kv_mask, scale_mask, QMAX, ROUND)
+            _store_quantized(v_at, v_scale_ptr + scale_at, v, kv_mask, scale_mask, QMAX, ROUND)
         else:
             tl.store(k_at, out.to(k_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(v_at, v.to(v_ptr.dtype.element_ty), mask=kv_mask)
@@ -193,6 +199,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _norm(x, residual, weight, eps)
 
 
+def rope_rows_per_program(rows: int) -> int:
+    return _ROPE_ROWS_PER_PROGRAM if rows >= _ROPE_BLOCKED_FROM_ROWS else 1
+
+
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
                   num_heads: int, num_kv_heads: int, head_dim: int,
@@ -235,19 +245,20 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if rows == 0:
         return q
-    _rope_write_kv_kernel[(rows, num_heads + num_kv_heads)](
+    block = rope_rows_per_program(rows)
+    _rope_write_kv_kernel[(triton.cdiv(rows, block), num_heads + num_kv_heads)](
         qkv, cos, sin, positions, pages, offsets,
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         k_out if k_out is not None else q,
-        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        rows, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
         k_out.stride(0) if k_out is not None else 0, k_out.stride(1) if k_out is not None else 0,
         num_heads, num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZED=quantized,
+        ROWS=block, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZED=quantized,
         QMAX=kv_quant.QMAX.get(k_cache.dtype, 0.0), ROUND=k_cache.dtype == torch.int8, K_OUT=k_out is not None,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=max(1 if head_dim <= 128 else 2, block * head_dim // 512),
         # Otherwise x * cos + rot * sin contracts to one fma, skipping PyTorch's rounding of x * cos
         # (1 ulp off on ~25% of bf16 elements); without it the result is bitwise PyTorch's.
         enable_fp_fusion=False, **pdl_options(qkv.device),
