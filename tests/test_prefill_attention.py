@@ -1,6 +1,7 @@
 """The prefill's attention: the split of a chunk after earlier keys and its log-sum-exp merge on the
 CPU against the masked attention, the Triton merge against its PyTorch expression, and on a GPU the
-chosen path (cuDNN, split where keys precede the chunk) against SDPA's math backend."""
+chosen path (SDPA's pick for a whole prompt, the cuDNN split where keys precede the chunk) against
+SDPA's math backend."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def qkv(queries: int, keys: int, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = 16,
-        dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+        dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, v_dim: int | None = None):
     generator = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(queries, heads, head_dim, generator=generator, device=device).to(dtype)
-    k, v = (torch.randn(keys, kv_heads, head_dim, generator=generator, device=device).to(dtype) for _ in range(2))
+    k, v = (torch.randn(keys, kv_heads, dim, generator=generator, device=device).to(dtype)
+            for dim in (head_dim, v_dim or head_dim))
     return q, k, v
 
 
@@ -105,6 +107,8 @@ def test_the_merge_refuses_what_does_not_fit():
 # --- on the GPU -------------------------------------------------------------------------------
 
 EIGHT_B = dict(heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+# DeepSeek-V2-Lite's prefill attention: keys of 192 (128 from the latent, 64 RoPE), values of 128.
+MLA = dict(heads=16, kv_heads=16, head_dim=192, v_dim=128, dtype=torch.bfloat16, device="cuda")
 # (queries, keys): a whole prompt; chunks after earlier keys, none of the lengths a power of two;
 # a single query and a single earlier key, which cuDNN refuses (the masked SDPA takes them).
 GPU_CASES = [(1000, 1000), (777, 2277), (512, 4608), (1, 300), (300, 301)]
@@ -113,14 +117,15 @@ GPU_CASES = [(1000, 1000), (777, 2277), (512, 4608), (1, 300), (300, 301)]
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("queries, keys", GPU_CASES)
-def test_the_gpu_prefill_attention_equals_the_math_backend(queries, keys):
-    """The chosen path (cuDNN whole, or split and merged; the masked SDPA where cuDNN refuses a
-    part) on the 8B shape against SDPA's math backend in float32 on the same bf16 inputs, within
-    bf16 rounding."""
-    q, k, v = qkv(queries, keys, **EIGHT_B)
-    if queries > 1 and keys - queries != 1:
+@pytest.mark.parametrize("shape", [EIGHT_B, MLA], ids=["8b", "mla"])
+def test_the_gpu_prefill_attention_equals_the_math_backend(queries, keys, shape):
+    """The chosen path (SDPA's pick for a whole prompt; split and merged after earlier keys; the
+    masked SDPA where cuDNN refuses a part) on the 8B's and MLA's heads against SDPA's math backend
+    in float32 on the same bf16 inputs, within bf16 rounding."""
+    q, k, v = qkv(queries, keys, **shape)
+    if queries > 1 and keys - queries > 1:
         assert split_attention.gqa_modes(q, k, v) is not None, "cuDNN refused a case it should take"
-    chosen = attention.prefill_attention(q, k, v, 128 ** -0.5)
+    chosen = attention.prefill_attention(q, k, v, shape["head_dim"] ** -0.5)
     torch.testing.assert_close(chosen.float(), math_backend(q, k, v), atol=BF16_ATOL, rtol=0)
 
 
@@ -165,11 +170,11 @@ def test_the_gpu_prefill_in_chunks_after_a_cached_prefix_follows_the_cpu_path():
 
 
 def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA's math backend in float32, the bottom-right causal mask spelled out."""
+    """SDPA's math backend in float32, the bottom-right causal mask spelled out, scaled by the head dim."""
     length, context = q.shape[0], k.shape[0]
     seen = torch.arange(context, device=q.device)[None, :] <= torch.arange(length, device=q.device)[:, None] + (
         context - length)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         out = F.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in (q, k, v)), attn_mask=seen,
-                                             scale=128 ** -0.5, enable_gqa=True)
+                                             scale=q.shape[-1] ** -0.5, enable_gqa=True)
     return out[0].transpose(0, 1)

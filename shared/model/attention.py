@@ -1,10 +1,12 @@
 """Attention over the paged pool.
 
 prefill_attention: a prompt chunk's causal attention over contiguous K/V, its own and any earlier
-chunks' or cached prefix's before them (causal from the bottom right). On a GPU it goes through
-cuDNN, a chunk after earlier keys split in two and merged by log-sum-exp
-(shared/model/split_attention.py); where cuDNN cannot run a part (float32, a single key) and on
-the CPU, through SDPA with the bottom-right mask (masked_attention).
+chunks' or cached prefix's before them (causal from the bottom right). A whole prompt (or its first
+chunk) is one causal SDPA call, on the backend SDPA picks: on the H200 it ran at least as fast as
+cuDNN called directly, for the 8B's heads and MLA's. On a GPU a chunk after earlier keys is split in
+two and merged by log-sum-exp (shared/model/split_attention.py), both parts through cuDNN; where
+cuDNN cannot run a part (float32, a single key) and on the CPU, it is one SDPA call with the
+bottom-right mask (masked_attention).
 
 paged_decode_attention: one new token per sequence against its pages; on a GPU the Triton kernel
 reads the pages in place and dequantizes quantized ones in registers
@@ -40,7 +42,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       window: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D];
     window > 0: each query sees only its last `window` keys, its own included."""
-    if 0 < window < k.shape[0]:
+    if 0 < window < k.shape[0] or k.shape[0] == q.shape[0]:
         return masked_attention(q, k, v, scale, window)
     modes = split_attention.gqa_modes(q, k, v) if q.is_cuda and _split_allowed else None
     if modes is None:
