@@ -146,9 +146,12 @@ def test_fp8_weights_are_part_of_the_fingerprint():
 
 
 def test_a_random_preset_in_fp8_has_its_shapes():
+    """On the CPU the FP8 weights are held widened to float32: e4m3 values, each with its scale."""
     model = load_paged_llama("random:llama-tiny", "float32", "cpu", "fp8")
     layer = model.layers[0]
-    assert layer.qkv.dtype == FP8 and layer.qkv.shape == ((8 + 2 * 2) * 64, 512)
+    assert layer.qkv.shape == ((8 + 2 * 2) * 64, 512) and layer.qkv_scale.shape == (8 * 64 + 2 * 2 * 64,)
+    assert layer.qkv.dtype == torch.float32 and torch.equal(layer.qkv, layer.qkv.to(FP8).float())
+    assert layer.qkv.abs().max() <= FP8_MAX and layer.qkv.abs().max() > FP8_MAX / 2
     assert layer.down.shape == (512, 1536) and layer.down_scale.shape == (512,)
     assert model.lm_head.dtype == torch.float32
     assert torch.isfinite(_prompt_logits(model)).all()

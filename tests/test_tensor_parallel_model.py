@@ -106,7 +106,8 @@ def test_a_shard_loads_quantized_after_sharding():
     model = load_paged_llama("random:llama-tiny", "float32", "cpu", "fp8", tp=TensorParallel(1, 2))
     layer = model.layers[0]
     assert (model.num_heads, model.num_kv_heads, model.total_kv_heads) == (4, 1, 2)
-    assert layer.qkv.dtype == torch.float8_e4m3fn and layer.qkv.shape == ((4 + 1 + 1) * 64, 512)
+    assert layer.qkv.shape == ((4 + 1 + 1) * 64, 512) and layer.qkv_scale is not None  # e4m3 values, held in float32
+    assert torch.equal(layer.qkv, layer.qkv.to(torch.float8_e4m3fn).float())
     assert layer.o_proj.shape == (512, 4 * 64) and layer.o_proj_scale.shape == (512,)
     assert layer.gate_up.shape == (1536, 512) and layer.down.shape == (512, 768)
     assert model.lm_head.shape == (16000, 512) and model.kv_layout(4, 16).num_kv_heads == 1

@@ -323,9 +323,18 @@ def load_paged_llama(checkpoint: Path | str, dtype: str, device: str, quantizati
     """From a checkpoint folder, or a `random:<preset>` model built on the device. quantization
     "fp8" (model.quantization) quantizes the linear layers' weights (shared/model/quantization.py);
     a checkpoint stored in FP8 loads as it is stored, whatever quantization says. With tp of more
-    than one rank, the rank's shard of it (_load_shard)."""
-    torch_dtype = getattr(torch, dtype)
+    than one rank, the rank's shard of it (_load_shard). On the CPU, FP8 weights are held widened
+    to float32 (LayerWeights.widen_fp8): the same numbers, without a conversion at every product."""
     _refuse_fp8_experts(checkpoint, quantization)
+    model = _load(checkpoint, getattr(torch, dtype), device, quantization, tp)
+    if model.device.type == "cpu":
+        for layer in model.layers:
+            layer.widen_fp8()
+    return model
+
+
+def _load(checkpoint: Path | str, torch_dtype: torch.dtype, device: str, quantization: str,
+          tp: TensorParallel) -> PagedLlama:
     if tp.size > 1:
         return _load_shard(checkpoint, torch_dtype, device, quantization, tp)
     if presets.is_random(str(checkpoint)):

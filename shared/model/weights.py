@@ -47,6 +47,14 @@ class LayerWeights:
             setattr(self, name, weight)
             setattr(self, f"{name}_scale", scale)
 
+    def widen_fp8(self) -> None:
+        """FP8 weights to float32, exactly (every e4m3 value is a float32), their scales kept: the
+        CPU's products are then the numbers it computed by widening the weight at every call
+        (shared/model/quantization.py), which took 35 times the matmul itself."""
+        for name in QUANTIZED:
+            if getattr(self, f"{name}_scale") is not None:
+                setattr(self, name, getattr(self, name).float())
+
     def named(self) -> dict[str, torch.Tensor]:
         """Every tensor by name, the experts' as moe.<name>, MLA's as mla.<name>."""
         tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NESTED}
