@@ -6,6 +6,7 @@ UCX is kept on the loopback device (UCX_NET_DEVICES=lo), so no byte goes to anot
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,11 +31,15 @@ from shared.kv.transfer.nixl_agent import nixl_module
 from tests.conftest import CACHE_DIR
 from tests.listeners import listening_sockets
 from tests.reference import assert_matches_reference, reference_greedy
+from tests.seeded_pool import fill_seeded
 from tests.stack import REPO, ServiceStack
 
 UCX_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 PAGE_SIZE = 4
 SPEC = dict(num_layers=3, page_size=PAGE_SIZE, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+# An MLA pool in int8: one latent shard a layer (576 values in DeepSeek's, 40 here), scales beside.
+LATENT_INT8 = dict(num_layers=3, page_size=PAGE_SIZE, num_kv_heads=1, head_dim=40, dtype=torch.int8,
+                   shards_per_layer=1)
 PREFILL_PAGES, DECODE_PAGES = 12, 9  # the decode's last page is its scratch page
 
 pytestmark = pytest.mark.e2e  # every test here reads from a real exporter process, or a stack
@@ -44,18 +49,19 @@ try:
 except RuntimeError as exc:
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
-# A prefill's pool filled from a seed, exported by NIXL; the handle goes out as a PoolAvailable
-# frame on stdout, and the process serves reads until stdin closes.
+# A prefill's pool (the layout in argv[3]) filled from a seed, exported by NIXL; the handle goes out
+# as a PoolAvailable frame on stdout, and the process serves reads until stdin closes.
 _EXPORTER = textwrap.dedent("""
-    import sys, torch
+    import json, sys, torch
     from shared.control import wire
     from shared.kv.pool import make_layout
     from shared.kv.transfer import export_pool
     from shared.control.messages import PoolAvailable
-    spec = dict(num_layers=3, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    from tests.seeded_pool import fill_seeded
+    spec = json.loads(sys.argv[3])
+    spec["dtype"] = getattr(torch, spec["dtype"])
     exported = export_pool(make_layout(num_pages=12, **spec), "nixl-test", sys.argv[2], "nixl")
-    torch.manual_seed(int(sys.argv[1]))
-    exported.pool.kv.copy_(torch.randn(exported.pool.kv.shape))
+    fill_seeded(exported.pool, int(sys.argv[1]))
     print("handle", wire.encode(PoolAvailable("prefill-0", exported.handles)).hex())
     sys.stdout.flush()
     sys.stdin.read()
@@ -63,14 +69,17 @@ _EXPORTER = textwrap.dedent("""
 """)
 
 
-def expected_pool(seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    return torch.randn((2 * SPEC["num_layers"], PREFILL_PAGES, PAGE_SIZE, SPEC["num_kv_heads"], SPEC["head_dim"]))
+def expected_pool(seed: int, spec: dict = SPEC):
+    """What the exporter of this seed and layout holds."""
+    pool, _ = allocate_local_pool(make_layout(num_pages=PREFILL_PAGES, **spec), "cpu")  # its views hold the buffer
+    fill_seeded(pool, seed)
+    return pool
 
 
-def start_exporter(device: str = "cpu") -> tuple[subprocess.Popen, list[KvPoolHandle]]:
-    process = subprocess.Popen([sys.executable, "-c", _EXPORTER, "7", device], cwd=REPO, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, env={**os.environ, **UCX_LOOPBACK})
+def start_exporter(device: str = "cpu", spec: dict = SPEC) -> tuple[subprocess.Popen, list[KvPoolHandle]]:
+    layout = json.dumps({**spec, "dtype": str(spec["dtype"]).removeprefix("torch.")})
+    process = subprocess.Popen([sys.executable, "-c", _EXPORTER, "7", device, layout], cwd=REPO,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **UCX_LOOPBACK})
     line = ""
     while not line.startswith("handle "):  # NIXL's own log lines come first
         line = process.stdout.readline().decode()
@@ -79,8 +88,13 @@ def start_exporter(device: str = "cpu") -> tuple[subprocess.Popen, list[KvPoolHa
 
 
 @pytest.fixture
-def exporter():
-    process, handles = start_exporter()
+def spec() -> dict:
+    return SPEC
+
+
+@pytest.fixture
+def exporter(spec):
+    process, handles = start_exporter(spec=spec)
     yield process, handles
     process.send_signal(signal.SIGCONT)
     process.kill()
@@ -88,11 +102,13 @@ def exporter():
 
 
 @pytest.fixture
-def decode_side(monkeypatch):
+def decode_side(monkeypatch, spec):
     for name, value in UCX_LOOPBACK.items():
         monkeypatch.setenv(name, value)
-    local, buffer = allocate_local_pool(make_layout(num_pages=DECODE_PAGES, **SPEC), "cpu")
-    local.kv.fill_(-7.0)
+    local, buffer = allocate_local_pool(make_layout(num_pages=DECODE_PAGES, **spec), "cpu")
+    local.kv.fill_(-7)
+    if local.scales is not None:
+        local.scales.fill_(-7.0)
     freed: list[int] = []
     yield local, freed
     del buffer
@@ -124,7 +140,10 @@ def stop(process: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-def test_a_read_moves_exactly_the_requests_pages_of_every_shard(exporter, decode_side):
+@pytest.mark.parametrize("spec", [SPEC, LATENT_INT8], ids=["kv-float32", "latent-int8"])
+def test_a_read_moves_exactly_the_requests_pages_of_every_shard(exporter, decode_side, spec):
+    """Every shard's pages, and where the pages are quantized their scales: per-head K and V, and
+    an MLA pool's one latent shard a layer."""
     process, handles = exporter
     local, freed = decode_side
     puller = KvPuller(local, DECODE_PAGES - 1, freed.extend, transfer="nixl")
@@ -133,10 +152,13 @@ def test_a_read_moves_exactly_the_requests_pages_of_every_shard(exporter, decode
     transfer = puller.pull(task([11, 0, 5]), [2, 7, 3])
     [landed] = wait_for(puller, puller.landed)
     assert landed is transfer and transfer.state is TransferState.DONE
-    expected = expected_pool(7)
-    assert torch.equal(local.kv[:, [2, 7, 3]], expected[:, [11, 0, 5]])
+    expected = expected_pool(7, spec)
     untouched = [p for p in range(DECODE_PAGES) if p not in (2, 7, 3)]
-    assert torch.all(local.kv[:, untouched] == -7.0)
+    for got, sent in ((local.kv, expected.kv), (local.scales, expected.scales)):
+        if sent is None:
+            continue
+        assert torch.equal(got[:, [2, 7, 3]], sent[:, [11, 0, 5]])
+        assert torch.all(got[:, untouched] == -7)
     with pytest.raises(HandoffError, match="outside"):
         puller.pull(task([12]), [0])
     puller.close()
@@ -163,7 +185,7 @@ def test_a_read_from_a_stopped_prefill_times_out_and_its_pages_wait_until_it_set
     process.send_signal(signal.SIGCONT)
     wait_for(puller, lambda: puller.landed() == [] and freed, timeout_s=KvConfig.transfer_timeout_s)
     assert freed == [5, 6, 1] and puller.settling == []
-    assert torch.equal(local.kv[:, [5, 6]], expected_pool(7)[:, [4, 9]])  # it did land, after its cancel
+    assert torch.equal(local.kv[:, [5, 6]], expected_pool(7).kv[:, [4, 9]])  # it did land, after its cancel
 
 
 def test_a_read_from_a_killed_prefill_fails_and_settles_at_once(exporter, decode_side):
@@ -194,7 +216,7 @@ def test_a_read_between_two_gpu_pools_moves_exactly_the_requests_pages(monkeypat
         puller.map_pool("prefill-0", handles)
         puller.pull(task([11, 0, 5]), [2, 7, 3])
         wait_for(puller, puller.landed)
-        assert torch.equal(local.kv[:, [2, 7, 3]].cpu(), expected_pool(7)[:, [11, 0, 5]])
+        assert torch.equal(local.kv[:, [2, 7, 3]].cpu(), expected_pool(7).kv[:, [11, 0, 5]])
         puller.close()
     finally:
         process.kill()
