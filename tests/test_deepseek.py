@@ -24,8 +24,8 @@ from tests.stack import ServiceStack, free_port
 from tests.test_kv_quant_e2e import check_cached_prefix, check_greedy_tokens
 from tests.test_metrics import scrape, value
 from tests.test_tensor_parallel_model import KV_DTYPES, LOGITS_ATOL, greedy_run, run_rank
-from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, checkpoint_stack, greedy_logits,
-                              pool_for, save_tiny)
+from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, checkpoint_stack, fused_decode,
+                              greedy_logits, pool_for, save_tiny)
 
 # Small enough to run in seconds, every part of the architecture there: a dense first layer
 # (first_k_dense_replace), then layers of routed and shared experts.
@@ -86,6 +86,16 @@ def test_prefill_and_decode_match_transformers(variant, folders, references, pro
     assert [layer.moe is not None for layer in model.layers] == [False, True, True]
     assert all(layer.mla is not None and layer.qkv is None for layer in model.layers)
     assert_matches_transformers(greedy_logits(model, prompt, pool_for(model)), references[variant], prompt)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton interprets CPU tensors only without CUDA")
+@pytest.mark.parametrize("variant", ["v3", "v2_lite"])
+def test_the_gpu_decode_step_matches_transformers(variant, folders, references, prompt):
+    """The GPU's step (the fused norms and residual adds, the chosen matmuls for q, the latent, o_proj
+    and the shared experts; the Triton kernels interpreted here) over the same latent pages."""
+    model = load_paged_llama(folders[variant], "float32", "cpu")
+    logits = greedy_logits(model, prompt, pool_for(model), fused_decode(model))
+    assert_matches_transformers(logits, references[variant], prompt)
 
 
 def test_a_cached_prefix_expanded_from_its_pages_gives_the_whole_prompts_logits(folders, prompt):

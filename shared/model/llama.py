@@ -28,7 +28,7 @@ from shared.model.loader import UnsupportedModel, config_dict, layer_windows
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
 from shared.model.elementwise import apply_rope, rms_norm
 from shared.model.linear_choice import LinearChooser
-from shared.model.mla import Mla, MlaShape, decode_attention, is_mla
+from shared.model.mla import PYTORCH, Kernels, Mla, MlaShape, decode_attention, is_mla
 from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
 from shared.model.quantization import fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
@@ -118,9 +118,9 @@ class PagedLlama:
         gate, up = linear(hidden, layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
         return x + self.tp.all_reduce(linear(F.silu(gate) * up, layer.down, layer.down_scale))
 
-    def _experts(self, layer: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    def _experts(self, layer: LayerWeights, hidden: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """A mixture-of-experts layer's MLP output (this rank's partial sum under tensor parallelism)."""
-        return moe_forward(hidden, layer.moe, self.routing)
+        return moe_forward(hidden, layer.moe, self.routing, linear)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._whole_vocab(F.linear(self._rms_norm(x, self.final_norm), self.lm_head)).float()
@@ -246,11 +246,11 @@ class PagedLlama:
         page_size = pool.layout.page_size
         pages = page_table.gather(1, (positions // page_size)[:, None])[:, 0]
         offsets = positions % page_size
-        seq_lens = positions + 1
-        if self.mla is not None:
-            return self._decode_mla(token_ids, positions, page_table, pool, pages, offsets, seq_lens)
+        seq_lens = (positions + 1).to(torch.int32)  # once, not in each layer's attention call
         if self.device.type == "cuda":
             return self._decode_fused(token_ids, positions, page_table, pool, pages, offsets, seq_lens)
+        if self.mla is not None:
+            return self._decode_mla(token_ids, positions, page_table, pool, pages, offsets, seq_lens)
         x = self.embed[token_ids]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
@@ -263,51 +263,67 @@ class PagedLlama:
         return self._logits(x)
 
     def _decode_mla(self, token_ids, positions, page_table, pool, pages, offsets, seq_lens) -> torch.Tensor:
-        """A step of MLA layers in the absorbed form: every head's query in latent space, attention
-        over the latent pages alone, the value up-projection after it (shared/model/mla.py)."""
-        mla, x = self.mla, self.embed[token_ids]
-        seq_lens = seq_lens.to(torch.int32)  # once, not in each layer's kernel call
+        """The CPU's step of MLA layers, in PyTorch (on a GPU _decode_fused runs them)."""
+        x = self.embed[token_ids]
         for i, layer in enumerate(self.layers):
-            normed = self._rms_norm(x, layer.input_norm)
-            q_nope, q_rope = mla.queries(layer.mla, normed, positions)
-            pool.write_latent(i, pages, offsets, mla.latents(layer.mla, normed, positions))
-            out = decode_attention(mla.absorb(layer.mla, q_nope), q_rope, pool, i, page_table, seq_lens, self.scale)
-            x = x + self.tp.all_reduce(linear(mla.unabsorb(layer.mla, out), layer.o_proj, layer.o_proj_scale,
-                                              layer.o_proj_bias))
+            out = self._mla_step(layer, i, self._rms_norm(x, layer.input_norm), positions, pool, pages, offsets,
+                                 page_table, seq_lens, PYTORCH)
+            x = x + self.tp.all_reduce(linear(out, layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
             x = self._mlp_block(layer, x)
         return self._logits(x)
+
+    def _mla_step(self, layer: LayerWeights, index: int, normed: torch.Tensor, positions, pool: PagedKvPool,
+                  pages, offsets, page_table, seq_lens, kernels: Kernels) -> torch.Tensor:
+        """An MLA layer's attention for a step in the absorbed form, before o_proj: every head's query
+        in latent space, attention over the latent pages alone, the value up-projection after it
+        (shared/model/mla.py) -> [B, heads * v]."""
+        mla = self.mla
+        q_nope, q_rope = mla.queries(layer.mla, normed, positions, kernels)
+        pool.write_latent(index, pages, offsets, mla.latents(layer.mla, normed, positions, kernels))
+        out = decode_attention(mla.absorb(layer.mla, q_nope), q_rope, pool, index, page_table, seq_lens, self.scale)
+        return mla.unabsorb(layer.mla, out)
 
     def _decode_fused(self, token_ids, positions, page_table, pool, pages, offsets, seq_lens) -> torch.Tensor:
         """The same step with its elementwise chains fused into Triton kernels (RMSNorm with the
         residual add, RoPE with the KV write, SiLU with the gate product): ten kernels a layer
         instead of about thirty-five, which is most of a small batch's step time. The matmuls go
         through self.linears, which reads each weight with cuBLAS or the Triton GEMV, whichever
-        was faster for the shape."""
+        was faster for the shape; MLA layers' attention and the shared experts' too."""
         batch = len(token_ids)
         residual = self.embed[token_ids]
         hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        kernels = Kernels(self.linears.apply, fused_triton.rms_norm)
         for i, layer in enumerate(self.layers):
-            qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale)
-            if layer.q_norm is not None:
-                self._norm_heads_in_place(layer, qkv)
-            q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(i), pool.value(i), pages,
-                                           offsets, self.num_heads, self.num_kv_heads, self.head_dim,
-                                           pool.key_scale(i), pool.value_scale(i))
-            out = attention.paged_decode_attention(q, pool.key(i), pool.value(i), page_table, seq_lens, self.scale,
-                                                   pool.key_scale(i), pool.value_scale(i), self.fp8_query,
-                                                   self.windows[i])
-            attn = self.tp.all_reduce(self.linears.apply(out.reshape(batch, -1), layer.o_proj, layer.o_proj_bias,
-                                                         layer.o_proj_scale))
+            if self.mla is not None:
+                out = self._mla_step(layer, i, hidden, positions, pool, pages, offsets, page_table, seq_lens, kernels)
+            else:
+                out = self._attention_step(layer, i, hidden, positions, pool, pages, offsets, page_table,
+                                           seq_lens).reshape(batch, -1)
+            attn = self.tp.all_reduce(self.linears.apply(out, layer.o_proj, layer.o_proj_bias, layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
-                mlp = self.tp.all_reduce(self._experts(layer, hidden))
+                mlp = self.tp.all_reduce(self._experts(layer, hidden, self.linears.apply))
             else:
                 gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
                 mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
                                                             scale=layer.down_scale))
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
         return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()
+
+    def _attention_step(self, layer: LayerWeights, index: int, hidden: torch.Tensor, positions, pool: PagedKvPool,
+                        pages, offsets, page_table, seq_lens) -> torch.Tensor:
+        """A Llama-family layer's attention for a step, before o_proj: the fused RoPE and KV write,
+        then the paged kernel -> [B, heads, head_dim]."""
+        qkv = self.linears.apply(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale)
+        if layer.q_norm is not None:
+            self._norm_heads_in_place(layer, qkv)
+        q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index), pages,
+                                       offsets, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       pool.key_scale(index), pool.value_scale(index))
+        return attention.paged_decode_attention(q, pool.key(index), pool.value(index), page_table, seq_lens,
+                                                self.scale, pool.key_scale(index), pool.value_scale(index),
+                                                self.fp8_query, self.windows[index])
 
 
 def _check_head_norms(config, weights: LlamaWeights) -> None:

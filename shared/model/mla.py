@@ -23,6 +23,7 @@ and its columns of o_proj; kv_a and the latent are replicated on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -34,6 +35,17 @@ from shared.kv.prompt_kv import PromptKv
 from shared.model.elementwise import apply_rope, rms_norm
 
 MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3"}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What an MLA layer's products and RMSNorms run through: PyTorch's (the CPU, the prefill), or
+    on a GPU's decode step its chosen matmuls (LinearChooser.apply) and the fused Triton norm."""
+    linear: Callable[..., torch.Tensor] = F.linear   # (x, weight, bias=None)
+    rms_norm: Callable[..., torch.Tensor] = rms_norm  # (x, weight, eps)
+
+
+PYTORCH = Kernels()
 
 
 @dataclass
@@ -140,21 +152,23 @@ class Mla:
     def __init__(self, shape: MlaShape, eps: float, cos: torch.Tensor, sin: torch.Tensor):
         self.shape, self.eps, self.cos, self.sin = shape, eps, cos, sin
 
-    def queries(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor,
+                kernels: Kernels = PYTORCH) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (input_layernorm's output) -> q_nope [T, H, nope], rotated q_rope [T, H, rope]."""
-        s = self.shape
+        s, linear = self.shape, kernels.linear
         if w.q is not None:
-            q = F.linear(x, w.q)
+            q = linear(x, w.q)
         else:
-            q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.eps), w.q_b)
+            q = linear(kernels.rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.eps), w.q_b)
         q_nope, q_rope = q.view(len(x), s.heads, s.nope + s.rope).split([s.nope, s.rope], dim=-1)
         return q_nope, apply_rope(q_rope, self.cos, self.sin, positions)
 
-    def latents(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def latents(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor,
+                kernels: Kernels = PYTORCH) -> torch.Tensor:
         """x [T, hidden] -> what the pool keeps [T, 1, kv_lora_rank + rope]: normed c, rotated k_rope."""
-        c, k_rope = F.linear(x, w.kv_a, w.kv_a_bias).split([self.shape.rank, self.shape.rope], dim=-1)
+        c, k_rope = kernels.linear(x, w.kv_a, w.kv_a_bias).split([self.shape.rank, self.shape.rope], dim=-1)
         k_rope = apply_rope(k_rope[:, None], self.cos, self.sin, positions)[:, 0]
-        return torch.cat([rms_norm(c, w.kv_a_norm, self.eps), k_rope], dim=-1)[:, None]
+        return torch.cat([kernels.rms_norm(c, w.kv_a_norm, self.eps), k_rope], dim=-1)[:, None]
 
     def expand(self, w: MlaWeights, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [S, 1, rank + rope] -> every head's keys [S, H, nope + rope] and values [S, H, v]."""
