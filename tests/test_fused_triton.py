@@ -20,9 +20,11 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from shared.kernels import fused_triton, kv_quant
+from shared.model.elementwise import apply_rope
 from shared.kernels.fused_triton import (
     add_rms_norm,
     rms_norm,
+    rope_in_place,
     rope_rows_per_program,
     rope_write_kv,
     silu_and_mul,
@@ -194,6 +196,32 @@ def test_rope_write_kv(rows, head_dim, num_heads, num_kv_heads):
     check_rope(rows, num_heads, num_kv_heads, head_dim, torch.float32, DEVICE, FP32_TOL)
 
 
+def check_rope_in_place(rows: int, dtype: torch.dtype, device: str) -> None:
+    """MLA's two RoPE'd slices where they lie: each head's last 64 of a [rows, 4, 192] projection,
+    and the single key head at columns 512-575 of a [rows, 576] one; the rest of each untouched."""
+    cos, sin = rope_tables(64, 4096, dtype, device)
+    positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(1)).to(device)
+    q = torch.randn(rows, 4, 192, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    latent = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    for full, part in ((q, lambda t: t[..., 128:]), (latent, lambda t: t[:, None, 512:])):
+        expected = full.clone()
+        part(expected).copy_(apply_rope(part(full), cos, sin, positions))
+        assert rope_in_place(part(full), cos, sin, positions).data_ptr() == part(full).data_ptr()
+        assert torch.equal(full, expected)
+
+
+def test_rope_in_place():
+    check_rope_in_place(5, torch.float32, DEVICE)
+
+
+def test_rope_in_place_refuses_what_it_cannot_rotate():
+    cos, sin = rope_tables(64, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rope_in_place(torch.zeros(2, 1, 128)[..., ::2], cos, sin, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="head dim 32"):
+        rope_in_place(torch.zeros(2, 1, 32), cos, sin, torch.zeros(2, dtype=torch.long))
+
+
 def test_rope_write_kv_over_a_prefill_chunk():
     """A prefill chunk's rows go ROWS a program, the last block partly past the end."""
     rows = 530
@@ -322,6 +350,13 @@ def test_norms_bf16_cuda(rows):
 def test_rope_write_kv_bf16_cuda(rows):
     # Every op is correctly rounded at the points PyTorch rounds, so the match is exact.
     check_rope(rows, 32, 8, 128, torch.bfloat16, "cuda", {"atol": 0, "rtol": 0}, index_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_rope_in_place_bf16_cuda(rows):
+    check_rope_in_place(rows, torch.bfloat16, "cuda")  # rounded where PyTorch rounds: bitwise equal
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ replaces one such chain with one launch:
     rms_norm(x, w, eps)              the final / first norm                 (~6 kernels -> 1)
     add_rms_norm(x, res, w, eps)     residual add + the next layer's norm   (~7 kernels -> 1)
     rope_write_kv(qkv, ...)          split, RoPE on q and k, KV page write  (~20 kernels -> 1)
+    rope_in_place(x, ...)            RoPE on heads where they lie (MLA's)   (~7 kernels -> 1)
                                      (quantized pages: with the quantization and the scales' write)
     silu_and_mul(gate_up)            chunk, SiLU, multiply                  (~3 kernels -> 1)
 
@@ -137,6 +138,30 @@ if triton is not None:
             tl.store(v_at, v.to(v_ptr.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
+    def _rope_in_place_kernel(
+        x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xn, stride_xh, stride_cos, stride_sin,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        wait_for_previous_kernel(USE_PDL)
+        # Program (n, h) rotates head h of row n where it lies; no other program reads it.
+        n = tl.program_id(0).to(tl.int64)
+        half = HEAD_DIM // 2
+        d = tl.arange(0, BLOCK_D)
+        mask = d < HEAD_DIM
+        head = x_ptr + n * stride_xn + tl.program_id(1) * stride_xh
+        x = tl.load(head + d, mask=mask, other=0.0)
+        partner = tl.where(d < half, d + half, d - half)
+        x_pair = tl.load(head + partner, mask=mask, other=0.0).to(tl.float32)
+        x_rot = tl.where(d < half, -x_pair, x_pair)
+        pos = tl.load(pos_ptr + n).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + d, mask=mask, other=0.0).to(tl.float32)
+        # Rounded as `x * cos + rotated * sin` rounds, as in _rope_write_kv_kernel.
+        x_cos = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
+        tl.store(head + d, (x_cos + rot_sin).to(x.dtype), mask=mask)
+
+    @triton.jit
     def _silu_and_mul_kernel(
         gate_up_ptr, out_ptr, inter, stride_in, stride_out,
         BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -197,6 +222,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     kernel; returns (normed, summed), both new [N, H] tensors."""
     require_triton("add_rms_norm")
     return _norm(x, residual, weight, eps)
+
+
+def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [N, heads, D] (a contiguous last dim, other strides free: a slice of a
+    projection's output) at positions [N], written over x, which it returns; cos/sin [max_positions,
+    D] in x's dtype. shared/model/elementwise.apply_rope's numbers, in one launch."""
+    require_triton("rope_in_place")
+    rows, heads, head_dim = x.shape
+    if x.stride(-1) != 1 or head_dim % 2:
+        raise ValueError(f"x {tuple(x.shape)} strides {x.stride()} needs an even, contiguous last dim")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_rows(name, table)
+        if table.shape[1] != head_dim or table.dtype != x.dtype:
+            raise ValueError(f"{name} {tuple(table.shape)} {table.dtype} vs head dim {head_dim} {x.dtype}")
+    if positions.shape != (rows,):
+        raise ValueError(f"positions {tuple(positions.shape)} must be ({rows},)")
+    if rows:
+        _rope_in_place_kernel[(rows, heads)](
+            x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+            enable_fp_fusion=False, **pdl_options(x.device),
+        )
+    return x
 
 
 def rope_rows_per_program(rows: int) -> int:

@@ -293,7 +293,7 @@ class PagedLlama:
         residual = self.embed[token_ids]
         hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        kernels = Kernels(self.linears.apply, fused_triton.rms_norm)
+        kernels = Kernels(self.linears.apply, fused_triton.rms_norm, fused_triton.rope_in_place)
         for i, layer in enumerate(self.layers):
             if self.mla is not None:
                 out = self._mla_step(layer, i, hidden, positions, pool, pages, offsets, page_table, seq_lens, kernels)

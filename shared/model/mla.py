@@ -43,6 +43,7 @@ class Kernels:
     on a GPU's decode step its chosen matmuls (LinearChooser.apply) and the fused Triton norm."""
     linear: Callable[..., torch.Tensor] = F.linear   # (x, weight, bias=None)
     rms_norm: Callable[..., torch.Tensor] = rms_norm  # (x, weight, eps)
+    rope: Callable[..., torch.Tensor] = apply_rope    # (x, cos, sin, positions): rotated, x's own memory or new
 
 
 PYTORCH = Kernels()
@@ -161,13 +162,13 @@ class Mla:
         else:
             q = linear(kernels.rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, self.eps), w.q_b)
         q_nope, q_rope = q.view(len(x), s.heads, s.nope + s.rope).split([s.nope, s.rope], dim=-1)
-        return q_nope, apply_rope(q_rope, self.cos, self.sin, positions)
+        return q_nope, kernels.rope(q_rope, self.cos, self.sin, positions)
 
     def latents(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor,
                 kernels: Kernels = PYTORCH) -> torch.Tensor:
         """x [T, hidden] -> what the pool keeps [T, 1, kv_lora_rank + rope]: normed c, rotated k_rope."""
         c, k_rope = kernels.linear(x, w.kv_a, w.kv_a_bias).split([self.shape.rank, self.shape.rope], dim=-1)
-        k_rope = apply_rope(k_rope[:, None], self.cos, self.sin, positions)[:, 0]
+        k_rope = kernels.rope(k_rope[:, None], self.cos, self.sin, positions)[:, 0]
         return torch.cat([kernels.rms_norm(c, w.kv_a_norm, self.eps), k_rope], dim=-1)[:, None]
 
     def expand(self, w: MlaWeights, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
