@@ -14,11 +14,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# One thread per test process: `make test` runs four of them on CI's two cores beside the services'
-# processes, and oversubscribed OpenMP threads ran in-process models up to 30 times slower there
-# (a 2.5 s test took 74 s). A test that needs another count sets it for itself.
-torch.set_num_threads(1)
-
 from tests.stack import ServiceStack  # noqa: E402
 
 CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
