@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from pdserve.v1 import generation_pb2
+from shared.config import RouterConfig
 from shared.control import wire
 from shared.control.messages import (
     Abort,
@@ -84,8 +85,9 @@ def _stream(stack, max_tokens: int, token_ids: tuple[int, ...] = ()) -> list:
 
 
 def _prefilled(prefill: ProtocolPeer, token: int) -> PrefillTask:
-    """The prefill's next task, answered with KvReady and that token."""
-    task = prefill.receive(PrefillTask)
+    """The prefill's next task, answered with KvReady and that token. It comes within the router's
+    admission timeout, the longest a request waits to be placed (a loaded CI machine took over 10 s)."""
+    task = prefill.receive(PrefillTask, timeout_s=RouterConfig.admission_timeout_s)
     prefill.send(KvReady(task.request_id, prefill.worker_id, wire.pack_page_ids([0]), len(task.prompt_token_ids),
                          token, None, 0.0, 0))
     return task
