@@ -77,6 +77,16 @@ if triton is not None:
         tl.store(scale_ptr, amax / QMAX, mask=scale_mask)
 
     @triton.jit
+    def _rotated(x, x_pair, cos, sin, first_half):
+        """x * cos + rotate_half(x) * sin, x_pair holding each element's partner (d +- half) in fp32
+        and first_half where d < half: each product rounded to x's dtype before the sum, as
+        PyTorch's `x * cos + rotated * sin` rounds them."""
+        x_rot = tl.where(first_half, -x_pair, x_pair)
+        x_cos = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
+        return (x_cos + rot_sin).to(x.dtype)
+
+    @triton.jit
     def _rope_write_kv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, page_ptr, offset_ptr,
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr,
@@ -107,14 +117,10 @@ if triton is not None:
         # rotate_half(x) = cat(-x[half:], x[:half]): element d pairs with d +- half.
         partner = tl.where(d < half, d + half, d - half)
         x_pair = tl.load(row + h * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        x_rot = tl.where((d < half)[None, :], -x_pair, x_pair)
         pos = tl.load(pos_ptr + n, mask=n_mask, other=0).to(tl.int64)[:, None]
         cos = tl.load(cos_ptr + pos * stride_cos + d[None, :], mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_sin + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        # Each product rounded to the dtype before the sum, as `x * cos + rotated * sin` does.
-        x_cos = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-        rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
-        out = (x_cos + rot_sin).to(x.dtype)
+        out = _rotated(x, x_pair, cos, sin, (d < half)[None, :])
 
         tl.store(q_ptr + n[:, None] * stride_qn + h * stride_qh + d[None, :], out, mask=mask & is_q[None, :])
 
@@ -152,14 +158,10 @@ if triton is not None:
         x = tl.load(head + d, mask=mask, other=0.0)
         partner = tl.where(d < half, d + half, d - half)
         x_pair = tl.load(head + partner, mask=mask, other=0.0).to(tl.float32)
-        x_rot = tl.where(d < half, -x_pair, x_pair)
         pos = tl.load(pos_ptr + n).to(tl.int64)
         cos = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_sin + d, mask=mask, other=0.0).to(tl.float32)
-        # Rounded as `x * cos + rotated * sin` rounds, as in _rope_write_kv_kernel.
-        x_cos = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-        rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
-        tl.store(head + d, (x_cos + rot_sin).to(x.dtype), mask=mask)
+        tl.store(head + d, _rotated(x, x_pair, cos, sin, d < half), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(
