@@ -221,6 +221,8 @@ def test_a_moved_request_waits_first_in_line_until_the_other_decode_has_room(che
 def test_with_no_other_decode_the_stream_ends_unavailable(checkpoint, tmp_path):
     with _router_and_peers(checkpoint, tmp_path) as (stack, peers, calls):
         peers["decode-1"].send(Deregister("decode-1"))
+        # Two peers' messages keep no order between them: decode-1 must be gone before decode-0 stops.
+        _wait_for(lambda: "decode-1" not in {w.worker_id for w in stack.workers()}, "decode-1 dropped")
         call = calls.submit(_stream, stack, 6)
         first = _prefilled(peers["prefill-0"], 42)
         peers["decode-0"].receive(DecodeTask)
