@@ -1,9 +1,10 @@
-"""RMSNorm and RoPE as transformers computes them (RMSNorm in fp32, the weight applied in the input's
+"""RMSNorm, RoPE and the gated SiLU as transformers computes them (RMSNorm in fp32, the weight applied in the input's
 dtype; RoPE with tables already in the activations' dtype), for the unfused paths of every model."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,3 +19,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2*I] (gate columns first) -> F.silu(gate) * up [T, I]: a gated MLP's middle."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -26,9 +26,11 @@ from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, presets
 from shared.model.loader import UnsupportedModel, config_dict, layer_windows
 from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
-from shared.model.elementwise import apply_rope, rms_norm
+from shared.model.elementwise import apply_rope, rms_norm, silu_and_mul
+from shared.model import layer_kernels
+from shared.model.layer_kernels import PYTORCH, Kernels
 from shared.model.linear_choice import LinearChooser
-from shared.model.mla import PYTORCH, Kernels, Mla, MlaShape, decode_attention, is_mla
+from shared.model.mla import Mla, MlaShape, decode_attention, is_mla
 from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
 from shared.model.quantization import fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
@@ -114,13 +116,9 @@ class PagedLlama:
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         hidden = self._rms_norm(x, layer.post_norm)
         if layer.moe is not None:
-            return x + self.tp.all_reduce(self._experts(layer, hidden))
-        gate, up = linear(hidden, layer.gate_up, layer.gate_up_scale).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(linear(F.silu(gate) * up, layer.down, layer.down_scale))
-
-    def _experts(self, layer: LayerWeights, hidden: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        """A mixture-of-experts layer's MLP output (this rank's partial sum under tensor parallelism)."""
-        return moe_forward(hidden, layer.moe, self.routing, linear)
+            return x + self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing))
+        gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
+        return x + self.tp.all_reduce(linear(silu_and_mul(gate_up), layer.down, layer.down_scale))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._whole_vocab(F.linear(self._rms_norm(x, self.final_norm), self.lm_head)).float()
@@ -220,7 +218,7 @@ class PagedLlama:
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         if layer.moe is not None:
-            mlp = self.tp.all_reduce(self._experts(layer, hidden))
+            mlp = self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused()))
         else:
             gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
             mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
@@ -293,7 +291,7 @@ class PagedLlama:
         residual = self.embed[token_ids]
         hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        kernels = Kernels(self.linears.apply, fused_triton.rms_norm, fused_triton.rope_in_place)
+        kernels = layer_kernels.fused(self.linears.apply)
         for i, layer in enumerate(self.layers):
             if self.mla is not None:
                 out = self._mla_step(layer, i, hidden, positions, pool, pages, offsets, page_table, seq_lens, kernels)
@@ -303,10 +301,10 @@ class PagedLlama:
             attn = self.tp.all_reduce(self.linears.apply(out, layer.o_proj, layer.o_proj_bias, layer.o_proj_scale))
             hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
             if layer.moe is not None:
-                mlp = self.tp.all_reduce(self._experts(layer, hidden, self.linears.apply))
+                mlp = self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, kernels))
             else:
                 gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
-                mlp = self.tp.all_reduce(self.linears.apply(fused_triton.silu_and_mul(gate_up), layer.down,
+                mlp = self.tp.all_reduce(self.linears.apply(kernels.silu_and_mul(gate_up), layer.down,
                                                             scale=layer.down_scale))
             hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
         return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()

@@ -23,7 +23,6 @@ and its columns of o_proj; kv_a and the latent are replicated on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,21 +31,9 @@ import torch.nn.functional as F
 from shared.kernels import mla_decode_triton
 from shared.kv.pool import PagedKvPool
 from shared.kv.prompt_kv import PromptKv
-from shared.model.elementwise import apply_rope, rms_norm
+from shared.model.layer_kernels import PYTORCH, Kernels
 
 MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3"}
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """What an MLA layer's products and RMSNorms run through: PyTorch's (the CPU, the prefill), or
-    on a GPU's decode step its chosen matmuls (LinearChooser.apply) and the fused Triton norm."""
-    linear: Callable[..., torch.Tensor] = F.linear   # (x, weight, bias=None)
-    rms_norm: Callable[..., torch.Tensor] = rms_norm  # (x, weight, eps)
-    rope: Callable[..., torch.Tensor] = apply_rope    # (x, cos, sin, positions): rotated, x's own memory or new
-
-
-PYTORCH = Kernels()
 
 
 @dataclass

@@ -24,13 +24,13 @@ MLP's all-reduce completes; the router is replicated.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import fused_moe_triton, fused_triton
+from shared.kernels import fused_moe_triton
+from shared.model.layer_kernels import PYTORCH, Kernels
 from shared.model.loader import UnsupportedModel
 
 MOE_MODEL_TYPES = {"mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
@@ -138,23 +138,17 @@ def _within_best_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
     return grouped.masked_fill(~kept[:, :, None], masked).view_as(choice)
 
 
-def moe_forward(x: torch.Tensor, moe: MoeWeights, routing: Routing,
-                linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+def moe_forward(x: torch.Tensor, moe: MoeWeights, routing: Routing, kernels: Kernels = PYTORCH) -> torch.Tensor:
     """[T, H] (the post-attention RMSNorm's output) -> the experts' weighted sum [T, H] in x's dtype,
     plus the shared experts' output where the layer has them: the fused Triton kernel on a GPU, its
-    plain PyTorch reference on the CPU. linear: the shared experts' products (a decode step's
-    chosen matmuls on a GPU)."""
+    plain PyTorch reference on the CPU. kernels: the shared experts' products and SiLU."""
     logits = F.linear(x.float(), moe.router.float()) if routing.fp32_logits else F.linear(x, moe.router)
     weights, ids = route(logits, routing, moe.correction_bias)
     experts = fused_moe_triton.fused_moe if x.is_cuda else fused_moe_triton.moe_reference
     out = experts(x, moe.gate_up, moe.down, weights, ids)
     if moe.shared_gate_up is None:
         return out
-    gate_up = linear(x, moe.shared_gate_up)
-    if x.is_cuda:
-        return out + linear(fused_triton.silu_and_mul(gate_up), moe.shared_down)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return out + linear(F.silu(gate) * up, moe.shared_down)
+    return out + kernels.linear(kernels.silu_and_mul(kernels.linear(x, moe.shared_gate_up)), moe.shared_down)
 
 
 def check_supported(block) -> None:
