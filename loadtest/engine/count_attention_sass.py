@@ -7,9 +7,9 @@ an H200 SM must take in about 16 bytes a cycle to keep up with HBM and issues at
 instructions a cycle. This compiles the split kernel ahead of time for sm_90 with the ptxas that
 Triton bundles (no GPU needed), as the JIT would for the 8B shape (group of 4, head_dim 128, pages
 of 16, strides divisible by 16), disassembles it with Triton's cuobjdump, and reports per mode,
-kv.dtype and tiling: the registers, the spilled bytes, and each loop's instructions per iteration,
-with the warp instructions per K/V byte of the main loop (the tile's bytes over its instructions
-times its warps). The figures are the compiler's, not timings: the same Triton version as the
+kv.dtype and tiling (the small batches' and the large ones'): the registers, the spilled bytes,
+each loop's instructions per iteration, and the warp instructions per K/V byte of the main loop
+(the tile's bytes over its instructions times its warps). The figures are the compiler's, not timings: the same Triton version as the
 GPU's must be installed for them to describe what runs there.
 """
 
@@ -24,7 +24,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loadtest.lib.report import emit
-from shared.kernels.paged_attention_triton import DEFAULT_TILING, MODES, Tiling, _paged_decode_split_kernel
+from shared.kernels.paged_attention_triton import (
+    DEFAULT_TILING,
+    LARGE_BATCH_TILING,
+    MODES,
+    Tiling,
+    _paged_decode_split_kernel,
+)
 
 KERNEL = _paged_decode_split_kernel
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
@@ -44,7 +50,7 @@ def signature(kv_type: str) -> dict[str, str]:
 
 def compile_sass(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> tuple[str, str]:
     constants = {"GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
-                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32", "USE_PDL": True}
+                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32", "INLINE_PTX": True, "USE_PDL": True}
     types = {name: ("constexpr" if name in constants else kind) for name, kind in signature(kv_type).items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(KERNEL.arg_names)
              if name in POINTERS or name in DIVISIBLE}
@@ -88,7 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = [count(mode, kv_type, DEFAULT_TILING[mode], workdir) for mode, kv_type in CASES]
+    rows = [count(mode, kv_type, tiling, workdir) for mode, kv_type in CASES
+            for tiling in dict.fromkeys((DEFAULT_TILING[mode], LARGE_BATCH_TILING[mode]))]
     emit({"triton": triton.__version__, "target": "sm_90", "kernels": rows}, args.out)
 
 

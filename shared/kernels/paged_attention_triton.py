@@ -28,12 +28,13 @@ no masks (only a chunk's last tile does), each row's address is its page's base 
 computed once, and quantized pages (int8 or float8_e4m3fn values with a float32 scale per token and
 kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per value as possible:
 
-- "fp16" (the default for quantized pages): the values are converted exactly to fp16 (every int8
-  and e4m3 value is an fp16 value; int8 through an integer add and a bitcast rather than the
-  quarter-rate int-to-float instruction), q is rounded to fp16 once with the softmax scale folded
-  in, and the scales stay outside the products: each token's K scale multiplies its column of
-  scores, its V scale its column of probabilities. The V scales are divided by their largest value
-  in the chunk first, so the fp16 probabilities keep their precision whatever the scales' size.
+- "fp16" (the default for quantized pages): the values are converted exactly to fp16 on the tile
+  as loaded (every int8 and e4m3 value is an fp16 value; int8 by a byte permute under an fp16
+  exponent and one subtraction rather than the quarter-rate int-to-float instruction), q is rounded
+  to fp16 once with the softmax scale folded in, and the scales stay outside the products: each
+  token's K scale multiplies its column of scores, its V scale its column of probabilities. The V
+  scales are divided by their largest value in the chunk first, so the fp16 probabilities keep
+  their precision whatever the scales' size.
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
+from shared.kernels.triton_support import compiled, pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its partial write and the reduction than it saves.
@@ -88,17 +89,40 @@ def default_tiling(mode: str, batch: int) -> Tiling:
 if triton is not None:
 
     @triton.jit
-    def _to_fp16(x, MODE: tl.constexpr):
+    def _to_fp16(x, MODE: tl.constexpr, INLINE_PTX: tl.constexpr):
         """Page values as the products take them: fp16 for "fp16" (exact for int8 and e4m3), as
-        they are otherwise."""
+        they are otherwise.
+
+        Compiled (INLINE_PTX), the conversion is an inline assembly marked impure, which Triton
+        keeps where it stands: on the tile as loaded, 16 contiguous bytes a thread, whose fp16 copy
+        the products then read with ldmatrix. A pure conversion Triton sinks into the products'
+        operand layout, where an 8-bit V tile is read byte by byte (the V operand runs along the
+        tokens): 771 instructions per 64 int8 tokens against 516, 598 against 419 for e4m3
+        (loadtest/engine/count_attention_sass.py). The interpreter runs no assembly: there the
+        same numbers come from Triton's own operations."""
         if MODE != 1:
             y = x
         elif x.dtype == tl.int8:
-            # 0x6400 is 1024.0 with its last mantissa bit worth 1: the bits 0x6480 + x are 1152 + x
-            # exactly, and one half-precision subtraction leaves x (no int-to-float conversion).
-            y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+            # 0x64XX is 1024.0 + XX (fp16's unit in the last place is 1 from 1024 to 2048): with
+            # the byte's sign bit flipped, XX = x + 128, and one subtraction of 1152 leaves x.
+            if INLINE_PTX:
+                y = tl.inline_asm_elementwise(
+                    """{
+                    .reg .b32 biased, offset;
+                    xor.b32 biased, $2, 0x80808080;
+                    mov.b32 offset, 0x64806480;
+                    prmt.b32 $0, biased, 0x64646464, 0x4140;
+                    prmt.b32 $1, biased, 0x64646464, 0x4342;
+                    sub.f16x2 $0, $0, offset;
+                    sub.f16x2 $1, $1, offset;
+                    }""", "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+            else:
+                y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
         else:
             y = x.to(tl.float16)
+            if INLINE_PTX:  # the same conversion, held on the tile as loaded
+                y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float16, is_pure=False,
+                                              pack=2)
         return y
 
     @triton.jit
@@ -113,7 +137,7 @@ if triton is not None:
     def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
               row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t, stride_sp, stride_st,
               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
         chunk's last, partial tile and a window's first (tokens before `begin` or at or past `hi`
         are left out)."""
@@ -135,7 +159,7 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         else:  # q already carries qk_scale
             k_scale = _load(k_scale_ptr + scale_rows, tok_mask, MASKED)
-            qk = tl.dot(q, tl.trans(_to_fp16(k, MODE))) * k_scale[None, :]
+            qk = tl.dot(q, tl.trans(_to_fp16(k, MODE, INLINE_PTX))) * k_scale[None, :]
             if MODE == 2:
                 qk *= q_descale[:, None]
         if MASKED:
@@ -150,7 +174,7 @@ if triton is not None:
         else:
             v_scale = _load(v_scale_ptr + scale_rows, tok_mask, MASKED)
             weights = (p * (v_scale * v_norm)[None, :]).to(q.dtype)
-            pv = tl.dot(weights, _to_fp16(v, MODE))
+            pv = tl.dot(weights, _to_fp16(v, MODE, INLINE_PTX))
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @triton.jit
@@ -192,7 +216,7 @@ if triton is not None:
         num_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        INLINE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
@@ -239,17 +263,20 @@ if triton is not None:
         if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
                                   hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION)
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
+                                  INLINE_PTX)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
                                   hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION)
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION,
+                                  INLINE_PTX)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
                                   0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION)
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
+                                  INLINE_PTX)
         # Partials are [B, H, num_splits(, D)]; an empty split stores max=-inf, sum=0, acc=0.
         row = (b * num_heads + heads) * num_splits + split
         tl.store(m_ptr + row, m_i, mask=head_mask)
@@ -394,7 +421,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(_WGMMA_ROWS, group_pad) if mode == "fp8_query" else group_pad,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INLINE_PTX=compiled(q.device),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(q.device),
     )
     _paged_decode_reduce_kernel[(batch, num_heads)](

@@ -16,6 +16,7 @@ order of reads and writes on the stream is the same as without PDL.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -34,6 +35,12 @@ _pdl_allowed = True
 def require_triton(kernel: str) -> None:
     if triton is None:
         raise ImportError(f"{kernel} needs triton (pip install triton)") from _IMPORT_ERROR
+
+
+def compiled(device: torch.device) -> bool:
+    """Whether kernels launched on this device are compiled to machine code, so that they may carry
+    inline PTX: not in Triton's interpreter (TRITON_INTERPRET=1), which runs the CPU tests."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def allow_pdl(allowed: bool) -> None:
