@@ -34,9 +34,10 @@ from shared.kernels.paged_attention_triton import (
 
 KERNEL = _paged_decode_split_kernel
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
-            "l_ptr", "acc_ptr")
+            "l_ptr", "acc_ptr", "out_ptr", "counters_ptr")
 # Integer arguments the JIT sees divisible by 16 at the 8B shape (and so specialises on).
-DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stride_sp", "stride_pt", "num_heads")
+DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stride_sp", "stride_pt", "stride_ob",
+             "stride_oh", "num_heads")
 CASES = [("native", "bf16"), ("fp16", "i8"), ("fp16", "fp8e4nv"), ("fp8_query", "fp8e4nv")]
 ELEMENT_BYTES = {"bf16": 2, "i8": 1, "fp8e4nv": 1}
 
@@ -44,13 +45,15 @@ ELEMENT_BYTES = {"bf16": 2, "i8": 1, "fp8e4nv": 1}
 def signature(kv_type: str) -> dict[str, str]:
     types = {name: "i32" for name in KERNEL.arg_names}
     types.update({name: "*fp32" for name in POINTERS}, q_ptr="*bf16", k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}",
-                 page_table_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", stride_p="i64")
+                 page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", counters_ptr="*i32", qk_scale="fp32",
+                 stride_p="i64")
     return types
 
 
 def compile_sass(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> tuple[str, str]:
     constants = {"GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
-                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32", "INLINE_PTX": True, "USE_PDL": True}
+                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32",
+                 "SPLIT": True, "INLINE_PTX": True, "USE_PDL": True}
     types = {name: ("constexpr" if name in constants else kind) for name, kind in signature(kv_type).items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(KERNEL.arg_names)
              if name in POINTERS or name in DIVISIBLE}
