@@ -19,7 +19,7 @@ pay for the longest one); program (b, kv_head, split) runs an online softmax ove
 query heads of the kv group at once (each K/V tile is loaded once and used by the whole group via
 tl.dot) and writes fp32 partial (max, sum, unnormalised acc); the last of a (b, kv_head)'s programs
 to finish, counted in a buffer that each call leaves at zero, merges them for the group's heads
-(no second kernel: one launch a layer less, which is what a small batch's step is made of).
+(no second kernel: one launch a layer fewer, where a small batch's step is mostly launches).
 Unsplit, a program writes its heads' output itself. num_splits depends only on shapes
 (batch, KVH, page_table width) and the SM count, so the function never syncs with the device and
 can be captured in a CUDA graph: a graph's page table is as wide as its bucket's longest context.
