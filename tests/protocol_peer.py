@@ -62,7 +62,7 @@ class ProtocolPeer:
             layout = make_layout(1, self.total_pages, self.page_size, 1, 8, torch.float32)
             handles = [KvPoolHandle("shm", b"pdserve-kv-not-a-segment", layout, 0)]
         self.send(Register(self.worker_id, self.role, protocol_version, self.incarnation, 0, self.total_pages,
-                           self.page_size, self.max_batch_size, handles, self.fingerprint))
+                           self.page_size, self.max_batch_size, 0, handles, self.fingerprint))
 
     def heartbeat(self, holding: list[str] = ()) -> None:
         self.send(Heartbeat(self.worker_id, self.epoch, self.total_pages, 0, 0, 0.0, list(holding)))

@@ -89,14 +89,18 @@ def test_a_windowed_model_matches_transformers_far_past_its_window(checkpoint, t
 
 @pytest.mark.e2e
 def test_a_windowed_model_is_served_as_transformers_generates_it(checkpoint, tokenizer, tmp_path):
-    """Through the stack, one by one and batched in the decode, far past the window."""
+    """Through the stack, one by one and batched in the decode, far past the window. The decode's
+    pool holds 4 pages of 16 tokens: a request holds only the 2 its window of 16 spans (a ring over
+    its positions), so the two run side by side, and one of 150 tokens is served where 4 pages
+    could not hold it whole."""
     folder = write_checkpoint(tmp_path / "model", WINDOWED, checkpoint)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [tokenizer(text)["input_ids"] for text in (WINDOW_PROMPT, "The three primary colors are")]
     expected = [reference_greedy(reference, ids, 40) for ids in prompts]
-    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_MODEL_PATH=str(folder)) as stack:
-        def generate(ids):
-            request = generation_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=40, temperature=0)
+    longest = reference_greedy(reference, prompts[0], 150 - len(prompts[0]))
+    with ServiceStack(tmp_path, CACHE_DIR, PDSERVE_MODEL_PATH=str(folder), PDSERVE_KV_DECODE_PAGES="4") as stack:
+        def generate(ids, max_tokens=40):
+            request = generation_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0)
             return [t for chunk in stack.stub.Generate(request, timeout=120) for t in chunk.token_ids]
 
         for ids, (tokens, logits) in zip(prompts, expected):
@@ -104,6 +108,8 @@ def test_a_windowed_model_is_served_as_transformers_generates_it(checkpoint, tok
         with ThreadPoolExecutor(len(prompts)) as pool:
             for ids, got, (tokens, logits) in zip(prompts, pool.map(generate, prompts), expected):
                 assert_matches_reference(got, tokens, logits, f"windowed concurrent prompt of {len(ids)}")
+        assert len(prompts[0]) + len(longest[0]) > 4 * 16
+        assert_matches_reference(generate(prompts[0], 150 - len(prompts[0])), *longest, "past the decode's pool")
         stack.stop_drained()
 
 

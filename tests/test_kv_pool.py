@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shared.control.messages import KvPoolHandle
-from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for
+from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed, pages_for, pulled_indices, ring_row
 from shared.kv.pool import SHARD_ALIGN_BYTES, allocate_local_pool, layout_bytes, make_layout
 from shared.kv.transfer import TransferError, backend_for
 from shared.kv.transfer.shm import SharedMemoryExport
@@ -241,6 +241,33 @@ def test_page_arithmetic():
     assert decode_pages_needed(10, 7, 16) == 2
     assert decode_pages_needed(100, 256, 16) == 23  # 356 tokens
     assert decode_pages_needed(1, 1, 1) == 2
+
+
+def test_a_windowed_request_holds_the_pages_its_window_spans():
+    assert decode_pages_needed(100, 256, 16, window=64) == 5  # 64 tokens span 4 pages, 5 where unaligned
+    assert decode_pages_needed(10, 6, 16, window=64) == 1     # shorter than its window: as without one
+    assert decode_pages_needed(100, 256, 16, window=20) == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 20, 33])
+def test_a_windows_ring_of_pages_holds_every_token_the_window_reads(page_size, window):
+    """Replays a request on a ring of pages (shared/kv/pages.py), from each prompt length: the pull
+    fills the ring from the prompt's last pages, then each step writes its token where ring_row puts
+    it. At every step every token the window reads is still in its slot, and the pull's pages are
+    distinct (two prompt pages copied to one page would race)."""
+    for prompt in range(1, 4 * window + 2 * page_size):
+        held = decode_pages_needed(prompt, 1 << 20, page_size, window)
+        ring = list(range(100, 100 + held))
+        width = pages_for(prompt + 3 * held * page_size, page_size)
+        row = ring_row(ring, width)
+        pulled = pulled_indices(pages_for(prompt, page_size), held)
+        assert len({row[i] for i in pulled}) == len(pulled)
+        slots = {(row[t // page_size], t % page_size): t for t in range(prompt) if t // page_size in pulled}
+        for position in range(prompt, width * page_size):
+            slots[row[position // page_size], position % page_size] = position  # the step's own token
+            for token in range(max(0, position + 1 - window), position + 1):
+                assert slots.get((row[token // page_size], token % page_size)) == token, (prompt, position, token)
 
 
 def test_a_local_cpu_pool_costs_memory_as_it_fills_and_reads_zero():

@@ -174,11 +174,11 @@ def test_workers_of_another_kv_dtype_are_refused():
     policy = RegistrationPolicy(16, dataclasses.astuple(int8)[:3], None)
     registry = WorkerRegistry()
     layout = make_layout(**SPEC, dtype=torch.int8)
-    prefill = Register("prefill-0", Role.PREFILL, PROTOCOL_VERSION, "a", 1, 8, 16, 0,
+    prefill = Register("prefill-0", Role.PREFILL, PROTOCOL_VERSION, "a", 1, 8, 16, 0, 0,
                        KvPoolHandle("shm", b"segment", layout, 0), int8)
     assert policy.refusal(prefill, None, registry) == ""
     registry.register(b"prefill", None, prefill)
-    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "b", 2, 8, 16, 4, None, bf16)
+    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "b", 2, 8, 16, 4, 0, None, bf16)
     assert "kv_dtype=bfloat16 instead of" in policy.refusal(decode, None, registry)
     assert policy.refusal(dataclasses.replace(decode, fingerprint=int8), None, registry) == ""
 

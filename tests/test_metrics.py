@@ -87,7 +87,7 @@ def test_request_timer_counts_one_outcome_and_never_raises(registry):
 
 def test_routed_worker_gauges_read_live_values_and_go_with_their_worker(registry):
     worker = WorkerRecord("decode-t", Role.DECODE, b"id", None, "inc", 1, total_pages=10, max_batch_size=4,
-                          pool_handles=[], fingerprint=ModelFingerprint("c", "w", "t", "float32", "layers=1"),
+                          window=0, pool_handles=[], fingerprint=ModelFingerprint("c", "w", "t", "float32", "layers=1"),
                           free_pages=7)
     worker.reservations["r1"] = 2
     metrics.watch_routed(worker)

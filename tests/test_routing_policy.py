@@ -28,7 +28,7 @@ FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 def _worker(worker_id: str, role: Role = Role.PREFILL, total_pages: int = 100,
             max_batch_size: int = 64) -> WorkerRecord:
     return WorkerRecord(worker_id, role, worker_id.encode(), None, "inc", 1, total_pages,
-                        max_batch_size if role == Role.DECODE else 0, [], FINGERPRINT)
+                        max_batch_size if role == Role.DECODE else 0, 0, [], FINGERPRINT)
 
 
 def _request(tokens: list[int], max_tokens: int = 8, cache_salt: str = "") -> InflightRequest:
@@ -128,7 +128,7 @@ def test_a_decode_whose_batch_is_full_is_no_candidate_though_its_pool_has_room()
 
 def test_a_decode_that_registers_no_batch_slot_is_refused():
     policy = RegistrationPolicy(PAGE, (FINGERPRINT.config_sha, FINGERPRINT.weights_sha, FINGERPRINT.tokenizer_sha), None)
-    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "inc", 1, 100, PAGE, 0, [], FINGERPRINT)
+    decode = Register("decode-0", Role.DECODE, PROTOCOL_VERSION, "inc", 1, 100, PAGE, 0, 0, [], FINGERPRINT)
     assert policy.refusal(decode, None, WorkerRegistry()) == "max_batch_size 0: a decode must run at least one request"
     assert policy.refusal(dataclasses.replace(decode, max_batch_size=1), None, WorkerRegistry()) == ""
 
@@ -147,7 +147,7 @@ def test_a_prefill_registering_anew_is_tried_afresh_by_the_decodes_that_could_no
     decode = _worker("decode-0", Role.DECODE)
     decode.unreachable["prefill-0"] = "its old pool was gone"
     registry.workers["decode-0"] = decode
-    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE, 0,
+    registry.register(b"prefill-0", None, Register("prefill-0", Role.PREFILL, 3, "new-incarnation", 1, 100, PAGE, 0, 0,
                                                     [], FINGERPRINT))
     assert decode.unreachable == {}
     assert registry.paired()

@@ -140,7 +140,7 @@ def test_curve_admits_only_authorized_workers(curve_stack, curve_keys):
     stack, certs = curve_stack, curve_keys["certs"]
     endpoint, router_key = stack.env["PDSERVE_ROUTER_ZMQ_ADDRESS"], certs / "router.key"
     # Valid frames: without CURVE the router would register this peer as a decode and answer.
-    register = Register("intruder-0", Role.DECODE, PROTOCOL_VERSION, "intruder", os.getpid(), 64, 16, 8, [],
+    register = Register("intruder-0", Role.DECODE, PROTOCOL_VERSION, "intruder", os.getpid(), 64, 16, 8, 0, [],
                         ModelFingerprint("c", "w", "t", "float32", "layers=30"))
     heartbeat = Heartbeat("intruder-0", "", 64, 0, 0, 0.0, [])
     assert _generate(stack.stub) == 3  # the workers registered over CURVE with admitted keys

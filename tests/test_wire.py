@@ -23,8 +23,8 @@ FINGERPRINT = m.ModelFingerprint("790f0a82", "450cce6e", "c09bf4d0", "bfloat16",
 
 # One instance per message type; where a type has an optional field, both None and set appear.
 SAMPLES = [
-    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, 0, HANDLES, FINGERPRINT),
-    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, 64, [], FINGERPRINT),
+    m.Register("prefill-0", m.Role.PREFILL, m.PROTOCOL_VERSION, "a1b2c3", 4242, 1024, 16, 0, 0, HANDLES, FINGERPRINT),
+    m.Register("decode-0", m.Role.DECODE, m.PROTOCOL_VERSION, "d4e5f6", 4243, 2048, 16, 64, 4096, [], FINGERPRINT),
     m.Registered(router_epoch="9f8e7d"),
     m.Refused("protocol version 1, but this router speaks 2"),
     m.Heartbeat("decode-0", "9f8e7d", free_pages=2000, running=3, waiting=0, stalled_s=0.25,

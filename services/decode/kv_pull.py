@@ -27,7 +27,7 @@ import structlog
 from shared.config import KvConfig
 from shared.control import wire
 from shared.control.messages import DecodeTask, KvLayout, KvPoolHandle
-from shared.kv.pages import pages_for
+from shared.kv.pages import pages_for, pulled_indices, ring_row
 from shared.kv.pool import PagedKvPool
 from shared.kv.transfer import Backend, Source, Transfer, TransferError, TransferState, backend_for, usable_handles
 from shared.kv.transfer.base import AllOf, HeadSlice, whole_pages_only
@@ -169,7 +169,9 @@ class KvPuller:
             pool.close()
 
     def pull(self, task: DecodeTask, local_pages: list[int]) -> Transfer:
-        """Starts moving the task's prompt pages into local_pages; landed() says when they are there."""
+        """Starts moving the task's prompt pages into local_pages, the request's pages as the decode
+        holds them: one a prompt page, or, fewer under a sliding window, a ring (shared/kv/pages.py)
+        that takes only the last of them. landed() says when they are there."""
         pool = self.pools.get(task.prefill_worker_id)
         if pool is None:
             why = self.unmappable.get(task.prefill_worker_id, "not announced")
@@ -179,7 +181,9 @@ class KvPuller:
             src_ids = np.frombuffer(wire.unpack_page_ids(task.src_page_ids), dtype=np.intc)
             if len(src_ids) < count:
                 raise ValueError(f"{len(src_ids)} page ids for a prompt of {count} pages")
-            transfer = pool.start(task.request_id, src_ids[:count], local_pages[:count])
+            indices = pulled_indices(count, len(local_pages))
+            row = ring_row(local_pages, count)
+            transfer = pool.start(task.request_id, src_ids[indices.start:count], row[indices.start:count])
         except (TransferError, ValueError) as exc:  # WireError is a ValueError
             raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
         self.in_flight.append(transfer)

@@ -24,6 +24,7 @@ from shared.kv.pages import pages_for
 from shared.kv.pool import PagedKvPool, allocate_local_pool
 from shared.kv.transfer.nixl_network import nixl_net_devices
 from shared.model.llama import PagedLlama
+from shared.model.loader import attention_span
 from shared.worker.ranks import RankGroup
 
 MAP_POOL = "map_pool"      # [PoolAvailable, wire-encoded]; every rank answers all_agree
@@ -38,7 +39,7 @@ class RankEngine:
     pool: PagedKvPool
     pool_buffer: torch.Tensor  # keeps the pool's memory alive
     scratch_page: int          # beyond the allocator's pages: graph padding and pool warm-ups write here
-    max_pages: int             # the most pages one request holds: its whole context, within the pool
+    max_pages: int             # a request's page table row: its whole context, within the pool but for a window's ring
     puller: KvPuller
     stream: torch.cuda.Stream | None
     graphs: GraphedDecode | None
@@ -62,7 +63,9 @@ def build_rank_engine(config: Config, model: PagedLlama, ranks: RankGroup,
                       nixl_net_devices(config.kv.nixl_net_devices, config.router.zmq_endpoint()),
                       kv_heads_of(ranks.tp.rank, ranks.size, model.total_kv_heads))
     stream = worker_stream(model.device, high_priority=True)
-    max_pages = min(pages_for(model.max_context, layout.page_size), config.kv.decode_pages)
+    max_pages = pages_for(model.max_context, layout.page_size)
+    if not attention_span(model.windows):  # else a request's pages are a ring over its row (kv/pages.py)
+        max_pages = min(max_pages, config.kv.decode_pages)
     graphs = None
     sizes = config.decode.graph_batch_sizes()
     if model.device.type == "cuda" and sizes:

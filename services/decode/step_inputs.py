@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.control.messages import SamplingParams, StopParams
@@ -13,7 +14,7 @@ from shared.kv.transfer import Transfer
 @dataclass
 class DecodingRequest:
     request_id: str
-    pages: list[int]          # reserved for prompt + max_tokens, allocated at handoff
+    pages: list[int]          # reserved for prompt + max_tokens (or a window's ring), allocated at handoff
     kv_len: int               # tokens whose K/V are in the pages
     last_token: int           # the token the next step feeds in (its K/V not yet written)
     num_generated: int        # tokens produced so far, the prefill's first one included
@@ -51,9 +52,11 @@ class StepInputBuilder:
         batch = len(running)
         # By identity, holding the requests: an id() could be reused by the next request's object.
         if len(running) != len(self._members) or any(a is not b for a, b in zip(running, self._members)):
-            table = self._table.numpy()  # cells past a request's pages keep stale ids: never read
+            table = self._table.numpy()
             for row, request in enumerate(running):
-                table[row, : len(request.pages)] = request.pages
+                # Index i holds pages[i % len(pages)] (shared/kv/pages.ring_row): a windowed request's
+                # ring; for others, cells past their pages repeat them and are never read.
+                table[row] = np.resize(np.asarray(request.pages, dtype=np.int32), table.shape[1])
             self._members = tuple(running)
         scalars = self._scalars.numpy()
         scalars[0, :batch] = [r.last_token for r in running]
@@ -66,5 +69,5 @@ class StepInputBuilder:
 
 def step_inputs(running: list[DecodingRequest], page_size: int, device: torch.device) -> StepInputs:
     """One step's inputs, built once (benchmarks and tests; the decode keeps a StepInputBuilder)."""
-    max_pages = max(len(r.pages) for r in running)
+    max_pages = max(max(len(r.pages), r.kv_len // page_size + 1) for r in running)
     return StepInputBuilder(len(running), max_pages, page_size, device).build(running)

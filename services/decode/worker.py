@@ -4,7 +4,8 @@ Lifecycle of a request here:
   DecodeTask arrives -> pages for prompt + max_tokens are allocated in the decode's own pool
   (they were reserved by the router before the prefill started, so they are free; a migrated
   request's prompt ends with the DecodeTask.generated tokens it already streamed, which count
-  against max_tokens)
+  against max_tokens); for a model whose every layer has a sliding window, only the pages the
+  window spans, reused as a ring over the positions (shared/kv/pages.py)
   -> the transfer of the prompt's pages from the prefill's pool starts (services/decode/kv_pull.py)
   -> a copy on the decode's own stream lets the request join the running batch at the next step
   boundary (on a GPU that step waits for the copy on the stream, not on the host); any other
@@ -47,6 +48,7 @@ from shared.kernels.device import Moment, date_moments, mark
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed
 from shared.kv.pool import token_bytes
 from shared.kv.transfer import TransferState
+from shared.model.loader import attention_span
 from shared.model.sampling import sample
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
@@ -80,6 +82,8 @@ class DecodeWorker(WorkerLoop):
         self.idle_spin_s = config.decode.idle_spin_s
         self.weights_from = config.decode.weights_from
         self.allocator = PageAllocator(config.kv.decode_pages)
+        # Past a sliding window that every layer has, a request's pages are a ring (shared/kv/pages.py).
+        self.window = attention_span(model.windows)
         self.engine = build_rank_engine(config, model, worker.ranks, self.allocator.free)
         self.pool, self.puller = self.engine.pool, self.engine.puller
         self.inputs = StepInputBuilder(self.max_batch_size, self.engine.max_pages, self.pool.layout.page_size,
@@ -91,7 +95,7 @@ class DecodeWorker(WorkerLoop):
         stream = self.engine.stream
         super().__init__(worker, config.decode.worker_id, self.allocator.num_pages, self.pool.layout.page_size, [],
                          {DecodeTask: self._on_task, Abort: self._on_abort, PoolAvailable: self._on_pool_available,
-                          PoolGone: self._on_pool_gone}, stream, self.max_batch_size)
+                          PoolGone: self._on_pool_gone}, stream, self.max_batch_size, self.window)
         metrics.watch_pages(self.worker_id, Role.DECODE, self.allocator.num_pages, lambda: self.load().free_pages)
         metrics.report_kv_bytes_per_token(self.worker_id, Role.DECODE, token_bytes(self.pool.layout) * self.ranks.size)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
@@ -168,7 +172,7 @@ class DecodeWorker(WorkerLoop):
     def _on_task(self, task: DecodeTask) -> None:
         try:
             pages = self.allocator.allocate(decode_pages_needed(
-                task.num_tokens, task.stop.max_tokens - task.generated, self.pool.layout.page_size))
+                task.num_tokens, task.stop.max_tokens - task.generated, self.pool.layout.page_size, self.window))
         except PoolExhausted as exc:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED, f"decode KV pool: {exc}"))
             return

@@ -54,7 +54,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
 # the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
@@ -153,6 +153,9 @@ class Register:
     # A decode's decode.max_batch_size: the router places no more requests on it at once, so that
     # none waits for a batch slot with the handoff's timeout running; 0 for a prefill.
     max_batch_size: int
+    # A decode's model's sliding window, where every layer has one (0: its requests attend to every
+    # earlier token): the router reserves a request's decode pages by it (kv/pages.py); 0 for a prefill.
+    window: int
     # A prefill's pool, by each kind of transfer it offers, best first, each kind with every
     # tensor-parallel rank's handle (shared/kv/transfer/choice.py); empty for a decode.
     pool_handles: list[KvPoolHandle]

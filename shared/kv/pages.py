@@ -46,6 +46,24 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def decode_pages_needed(num_prompt_tokens: int, max_tokens: int, page_size: int) -> int:
-    """Pages a decode holds for a request: the router reserves exactly this before the prefill."""
-    return pages_for(num_prompt_tokens + max_tokens, page_size)
+def decode_pages_needed(num_prompt_tokens: int, max_tokens: int, page_size: int, window: int = 0) -> int:
+    """Pages a decode holds for a request: the router reserves exactly this before the prefill.
+
+    window > 0 (the model's every layer attends to its last `window` tokens): no more than the
+    pages those tokens can span, plus the one the next token is written to. The request's pages
+    are then a ring over its positions: position t's page is pages[t // page_size %
+    len(pages)] (ring_row), reused once the window has left the tokens it held."""
+    whole = pages_for(num_prompt_tokens + max_tokens, page_size)
+    return min(whole, pages_for(window, page_size) + 1) if window > 0 else whole
+
+
+def ring_row(pages: list[int], width: int) -> list[int]:
+    """A request's page table row, `width` page indices long: index i holds pages[i % len(pages)].
+    Equal to `pages` over their length for a request that holds a page for every position."""
+    return [pages[i % len(pages)] for i in range(width)]
+
+
+def pulled_indices(num_prompt_pages: int, held: int) -> range:
+    """The prompt's page indices a decode pulls into a ring of `held` pages: the last `held` of them,
+    each to its own page (the window needs no earlier one; earlier ones would share pages)."""
+    return range(max(0, num_prompt_pages - held), num_prompt_pages)

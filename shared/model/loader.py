@@ -128,6 +128,12 @@ def layer_windows(config) -> list[int]:
     return [window if kind == "sliding_attention" else 0 for kind in kinds]
 
 
+def attention_span(windows: list[int]) -> int:
+    """The tokens a step attends to at most: the largest window where every layer has one, 0 (all
+    earlier tokens) where some layer has none. A decode holds a request's pages by it."""
+    return max(windows) if windows and all(windows) else 0
+
+
 def eos_token_ids(config, tokenizer=None) -> list[int]:
     """The ids that end generation, as transformers' generate() reads them from the config."""
     eos = config.eos_token_id

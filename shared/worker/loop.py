@@ -44,8 +44,8 @@ class WorkerLoop(abc.ABC):
 
     def __init__(self, worker: WorkerProcess, worker_id: str, total_pages: int, page_size: int,
                  pool_handles: list[KvPoolHandle], handlers: dict[type, Callable[[object], None]],
-                 stream: torch.cuda.Stream | None, max_batch_size: int = 0):
-        """max_batch_size: a decode's, which the router learns in Register; 0 for a prefill."""
+                 stream: torch.cuda.Stream | None, max_batch_size: int = 0, window: int = 0):
+        """max_batch_size and window: a decode's, which the router learns in Register; 0 for a prefill."""
         self.worker_id = worker_id
         self.stop = worker.stop
         self.drain_timeout_s = worker.config.worker.drain_timeout_s
@@ -56,7 +56,7 @@ class WorkerLoop(abc.ABC):
         self.stream = stream
         self.ranks = worker.ranks  # this is rank 0: the others follow its commands
         registration = Register(worker_id, self.role, PROTOCOL_VERSION, secrets.token_hex(8), os.getpid(),
-                                total_pages, page_size, max_batch_size, pool_handles, worker.fingerprint)
+                                total_pages, page_size, max_batch_size, window, pool_handles, worker.fingerprint)
         self.link = RouterLink(worker.config.router.zmq_endpoint(), registration, self.load, self.forget_all,
                                worker.config.worker)
         self.dispatch = Dispatcher({**handlers, Drain: self._on_drain, Drained: self._on_drained})

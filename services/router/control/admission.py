@@ -5,8 +5,9 @@ decode.max_batch_size, and a request placed beyond it would wait there for a slo
 handoff's timeout running (routing.py's candidates).
 
 Placing reserves the prompt's pages on the prefill and prompt + max_tokens pages on the decode
-as the prefill starts, so a finished prefill never waits for decode room. Reservations live
-on the workers' records (WorkerRecord.reservations) and go back when the workers are done with them:
+(fewer for a model whose every layer has a sliding window: shared/kv/pages.py) as the prefill
+starts, so a finished prefill never waits for decode room. Reservations live on the workers'
+records (WorkerRecord.reservations) and go back when the workers are done with them:
 the prefill's when the decode has pulled the pages, the decode's when it ends the request, both
 when the request fails; admit_waiting() then places whoever waits. A request moved off a failed
 decode (migration.py) is placed again by the prefix it has, ahead of the line (readmit()).
@@ -50,7 +51,8 @@ class Admission:
         """By the prefix a prefill computes: the prompt, and after a migration the tokens already streamed."""
         prefix_tokens = request.prefix_len()
         return {Role.PREFILL: pages_for(prefix_tokens, self.page_size),
-                Role.DECODE: decode_pages_needed(prefix_tokens, request.tokens_left(), self.page_size)}
+                Role.DECODE: decode_pages_needed(prefix_tokens, request.tokens_left(), self.page_size,
+                                                 self.registry.decode_window())}
 
     async def admit(self, request: InflightRequest) -> None:
         """Returns once the request is placed; raises RequestError when it cannot be."""

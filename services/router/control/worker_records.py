@@ -19,6 +19,7 @@ class WorkerRecord:
     pid: int
     total_pages: int
     max_batch_size: int       # a decode's: the most requests it runs at once (0 for a prefill)
+    window: int               # a decode's model's sliding window on every layer (Register.window), else 0
     pool_handles: list[KvPoolHandle]  # a prefill's, as it registered them
     fingerprint: ModelFingerprint
     last_seen: float = field(default_factory=time.monotonic)
@@ -73,7 +74,8 @@ class WorkerRegistry:
         if old is not None and old.incarnation == message.incarnation and old.identity == identity:
             return old, old
         worker = WorkerRecord(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
-                              message.total_pages, message.max_batch_size, message.pool_handles, message.fingerprint,
+                              message.total_pages, message.max_batch_size, message.window, message.pool_handles,
+                              message.fingerprint,
                               free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
@@ -117,6 +119,12 @@ class WorkerRegistry:
         """Whether some serving prefill and serving decode can hand KV over to each other."""
         return any(prefill.worker_id not in decode.unreachable
                    for prefill in self.serving(Role.PREFILL) for decode in self.serving(Role.DECODE))
+
+    def decode_window(self) -> int:
+        """The sliding window the decodes' requests attend to: theirs where they all say the same
+        (they serve one model), else 0, which reserves for every position."""
+        windows = {w.window for w in self.of_role(Role.DECODE)}
+        return windows.pop() if len(windows) == 1 else 0
 
     def largest_pool(self, role: Role) -> int:
         return max((w.total_pages for w in self.of_role(role)), default=0)
