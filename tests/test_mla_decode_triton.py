@@ -147,6 +147,11 @@ def test_larger_latent():
     check([3, 130], 16, kv_dtype=torch.int8, num_splits=2, rank=128, rope=64)
 
 
+def test_a_latent_wider_than_the_merges_columns():
+    """The last split's program merges 128 latent columns at a time: 256 take two passes."""
+    check([3, 130], 16, num_splits=3, rank=256, rope=64)
+
+
 def test_float16_queries():
     check([1, 90], 16, dtype=torch.float16, kv_dtype=torch.int8, num_splits=2)
 

@@ -139,14 +139,14 @@ def test_the_last_split_merges_and_leaves_the_counters_at_zero():
     """The splits' merge is done by whichever program of a (sequence, kv head) finishes last, counted
     in a buffer that a CUDA graph replays over: each call must leave it at zero, or the next call
     would merge at the wrong count (or never) and return what its output held before."""
-    from shared.kernels.paged_attention_triton import _split_counters
+    from shared.kernels.split_merge_triton import split_counters
 
     q, k_cache, v_cache, page_table, seq_lens = make_case([100, 40, 71], 8, 2, 64, 16, torch.float32, DEVICE)
     expected = reference(q, k_cache, v_cache, page_table, seq_lens, 0.125)
     for _ in range(3):
         out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.125, num_splits=4)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-        assert not _split_counters(q.device, 6).any()
+        assert not split_counters(q.device, 6).any()
 
 
 def test_default_num_splits():

@@ -25,10 +25,10 @@ column of probabilities, H * BLOCK_N multiplies a tile rather than BLOCK_N * (R 
 
 Split and merge (flash-decoding): the grid is (head blocks, num_splits, B). Each sequence's context
 is cut into num_splits chunks (sized from its own length); a program runs an online softmax over its
-chunk and writes fp32 partials (max, sum, unnormalised acc) to scratch, and
-paged_attention_triton's reduction kernel merges them per (b, h). The grid and num_splits depend
-only on shapes (B, H, page_table's width), so nothing syncs with the host and a CUDA graph can
-capture the call.
+chunk and writes fp32 partials (max, sum, unnormalised acc) to scratch, and the last of a head
+block's programs to finish merges them (shared/kernels/split_merge_triton.py). The grid and
+num_splits depend only on shapes (B, H, page_table's width), so nothing syncs with the host and a
+CUDA graph can capture the call.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from shared.kernels.paged_attention_triton import (
     _NO_WINDOW,
     _choose_num_splits,
     _num_sms,
-    _paged_decode_reduce_kernel,
     _split_range,
 )
+from shared.kernels.split_merge_triton import finish_split, split_counters
 from shared.kernels.triton_support import (
     pdl_options,
     require_triton,
@@ -53,6 +53,10 @@ from shared.kernels.triton_support import (
     triton,
     wait_for_previous_kernel,
 )
+
+
+# Columns of the latent the merge takes at a time: wider ones made the 16-head kernel spill (sm_90).
+_MERGE_COLUMNS = 64
 
 
 @dataclass(frozen=True)
@@ -78,13 +82,14 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(
         q_latent_ptr, q_rope_ptr, cache_ptr, scale_ptr, page_table_ptr, seq_lens_ptr,
-        m_ptr, l_ptr, acc_ptr,
+        m_ptr, l_ptr, acc_ptr, out_ptr, counters_ptr,
         qk_scale, num_splits, window, num_heads,
         stride_lb, stride_lh, stride_rb, stride_rh,
-        stride_p, stride_t, stride_sp, stride_st, stride_pt,
+        stride_p, stride_t, stride_sp, stride_st, stride_pt, stride_ob, stride_oh,
         RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
-        FP32_PRODUCTS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+        FP32_PRODUCTS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -135,12 +140,9 @@ if triton is not None:
                 p *= token_scale[None, :]
             acc = tl.dot(p.to(q_latent.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
-        # Partials are [B, H, num_splits(, R)], the reduction's layout; an empty split stores
-        # max=-inf, sum=0, acc=0 and weighs nothing there.
-        row = (b * num_heads + heads) * num_splits + split
-        tl.store(m_ptr + row, m_i, mask=head_mask)
-        tl.store(l_ptr + row, l_i, mask=head_mask)
-        tl.store(acc_ptr + row[:, None] * RANK + r[None, :], acc, mask=head_mask[:, None])
+        finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
+                     counters_ptr + b * tl.num_programs(0) + tl.program_id(0), (b * num_heads + heads) * num_splits,
+                     split, num_splits, head_mask, SPLIT, BLOCK_H, RANK, MERGE_COLUMNS)
 
 
 def mla_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -203,23 +205,17 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     scales = cache_scale if cache_scale is not None else cache  # unread when unquantized
     _mla_split_kernel[(head_blocks, num_splits, batch)](
         q_latent, q_rope, cache, scales, page_table, seq_lens,
-        m, l, acc,
+        m, l, acc, out, split_counters(device, batch * head_blocks),
         scale * _LOG2E, num_splits, window or _NO_WINDOW, num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), scales.stride(0), scales.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1),
         RANK=rank, ROPE=q_rope.shape[2], PAGE_SIZE=page_size,
         BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n, QUANTIZED=cache_scale is not None,
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         FP32_PRODUCTS=fp32_products, DOT_PRECISION="ieee" if fp32_products else "tf32",
+        SPLIT=num_splits > 1, MERGE_COLUMNS=min(rank, _MERGE_COLUMNS),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(device),
-    )
-    # 8 warps: one program holds all splits' [splits, R] partials of its head.
-    _paged_decode_reduce_kernel[(batch, num_heads)](
-        m, l, acc, out,
-        num_splits, num_heads,
-        out.stride(0), out.stride(1),
-        HEAD_DIM=rank, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        num_warps=8, **pdl_options(device),
     )
     return out
 

@@ -18,9 +18,8 @@ num_splits equal chunks (sized from that sequence's own seq_len, so short sequen
 pay for the longest one); program (b, kv_head, split) runs an online softmax over its chunk for all
 query heads of the kv group at once (each K/V tile is loaded once and used by the whole group via
 tl.dot) and writes fp32 partial (max, sum, unnormalised acc); the last of a (b, kv_head)'s programs
-to finish, counted in a buffer that each call leaves at zero, merges them for the group's heads
-(no second kernel: one launch a layer fewer, where a small batch's step is mostly launches).
-Unsplit, a program writes its heads' output itself. num_splits depends only on shapes
+to finish merges them for the group's heads (shared/kernels/split_merge_triton.py), and unsplit, a
+program writes its heads' output itself. num_splits depends only on shapes
 (batch, KVH, page_table width) and the SM count, so the function never syncs with the device and
 can be captured in a CUDA graph: a graph's page table is as wide as its bucket's longest context.
 
@@ -49,12 +48,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kernels.split_merge_triton import finish_split, split_counters
 from shared.kernels.triton_support import compiled, pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
-# A split shorter than this spends more on its partial write and the reduction than it saves.
+# A split shorter than this spends more on its partial write and the merge than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Bounds the [splits, D] tile the reduction kernel holds in registers.
+# Bounds the merge's loop over the splits, which one program of each group runs.
 _MAX_AUTO_SPLITS = 64
 # The window the kernel takes for none: longer than any int32 sequence.
 _NO_WINDOW = 2**31 - 1
@@ -279,79 +279,9 @@ if triton is not None:
                                   0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
                                   INLINE_PTX)
-        out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        if not SPLIT:
-            tl.store(out_at, (acc * v_top / _at_least_one(l_i)[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=head_mask[:, None])
-        else:
-            # Partials are [B, H, num_splits(, D)]; an empty split stores max=-inf, sum=0, acc=0.
-            row = (b * num_heads + heads) * num_splits + split
-            tl.store(m_ptr + row, m_i, mask=head_mask)
-            tl.store(l_ptr + row, l_i, mask=head_mask)
-            tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_top, mask=head_mask[:, None])
-            # The last of the group's splits to finish merges them all: every thread's partials are
-            # stored before the count (the barrier), and the count releases them to the program
-            # that reads them after its own count (acquire), which then leaves it at zero again.
-            tl.debug_barrier()
-            counter = counters_ptr + b * num_kv_heads + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(out_at, _merged(m_ptr, l_ptr, acc_ptr, (b * num_heads + heads) * num_splits, num_splits,
-                                         head_mask, d, GROUP_PAD, HEAD_DIM).to(out_ptr.dtype.element_ty),
-                         mask=head_mask[:, None])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _merged(m_ptr, l_ptr, acc_ptr, first_row, num_splits, head_mask, d,
-                GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """The heads' outputs [GROUP_PAD, HEAD_DIM] from their splits' partials, merged by their
-        log-sum-exps (in the log2 domain). Split 0 holds each head's first token read, so the
-        running max is finite from it on and empty splits weigh 0. The partials are read past L1
-        (.cg): other SMs wrote them."""
-        m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_run = tl.zeros([GROUP_PAD], tl.float32)
-        acc_run = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for s in range(0, num_splits):
-            row = first_row + s
-            m_s = tl.load(m_ptr + row, mask=head_mask, other=0.0, cache_modifier=".cg")
-            l_s = tl.load(l_ptr + row, mask=head_mask, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=head_mask[:, None], other=0.0,
-                            cache_modifier=".cg")
-            m_new = tl.maximum(m_run, m_s)
-            keep, weight = tl.exp2(m_run - m_new), tl.exp2(m_s - m_new)
-            l_run = l_run * keep + l_s * weight
-            acc_run = acc_run * keep[:, None] + acc_s * weight[:, None]
-            m_run = m_new
-        return acc_run / _at_least_one(l_run)[:, None]
-
-    @triton.jit
-    def _at_least_one(total):
-        """A softmax's sum of weights, 1 where it is 0: a head's own sum is at least 1 (its largest
-        score weighs 1); only the padding rows past GROUP hold 0, and are not stored."""
-        return tl.maximum(total, 1.0)
-
-    @triton.jit
-    def _paged_decode_reduce_kernel(
-        m_ptr, l_ptr, acc_ptr, out_ptr,
-        num_splits, num_heads,
-        stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        wait_for_previous_kernel(USE_PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.arange(0, SPLITS_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        s_mask = s < num_splits
-        row = (b * num_heads + h) * num_splits + s
-        m = tl.load(m_ptr + row, mask=s_mask, other=float("-inf"))
-        l = tl.load(l_ptr + row, mask=s_mask, other=0.0)
-        acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
-        # Split 0 always holds the first token read (seq_len >= 1), so m_max is finite and empty
-        # splits weigh 0.
-        m_max = tl.max(m, axis=0)
-        w = tl.exp2(m - m_max)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
+                     counters_ptr + b * num_kv_heads + kvh, (b * num_heads + heads) * num_splits, split, num_splits,
+                     head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -457,7 +387,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)  # unread when unquantized
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scales, page_table, seq_lens,
-        m, l, acc, out, _split_counters(q.device, batch * num_kv_heads),
+        m, l, acc, out, split_counters(q.device, batch * num_kv_heads),
         scale * _LOG2E, num_splits, window or _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -473,16 +403,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     return out
 
-
-_SPLIT_COUNTERS = 1 << 16  # (sequence, kv head) pairs a split call may have: batch 256 x 256 kv heads
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Each (sequence, kv head)'s count of finished splits, zero between calls: one buffer a device,
-    made once (a CUDA graph replays the kernels that use it, which leave it at zero)."""
-    if needed > _SPLIT_COUNTERS:
-        raise ValueError(f"batch x kv heads {needed} above {_SPLIT_COUNTERS}")
-    if device not in _counters:
-        _counters[device] = torch.zeros(_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
