@@ -25,18 +25,21 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from shared.kernels import gemv_triton
-from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, gemv
+from shared.kernels.fp8_quant_triton import quantize_rows
+from shared.kernels.gemv_triton import CONFIGS, MAX_FP8_ROWS, MAX_ROWS, SUPPORTED_DTYPES, gemv
 from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
+from shared.model.quantization import fp8_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 H200_SMS = 132
 
 MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
+W8A8 = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > MAX_ROWS]  # FP8 weights only
 TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == MAX_ROWS]
-SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1]
+SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1 and c.kwargs["BLOCK_M"] <= MAX_ROWS]
 # Multiply-add configs take one row, tensor-core configs up to 16.
-CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"]]
+CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
 
 
 def config_id(config) -> str:
@@ -86,7 +89,7 @@ def test_every_config_fp32(config, rows, n, k):
     check(gemv(x, weight, config), x, weight, FP32_TOL)
 
 
-@pytest.mark.parametrize("config", [MULTIPLY_ADD[0], CONFIGS[-1]], ids=config_id)
+@pytest.mark.parametrize("config", [MULTIPLY_ADD[0], TENSOR_CORES[-1]], ids=config_id)
 def test_fp16(config):
     x, weight = operands(1, 96, 256, torch.float16, DEVICE)
     check(gemv(x, weight, config), x, weight, FP16_TOL)
@@ -105,7 +108,8 @@ def test_split_k_at_max_rows(config):
     check(gemv(x, weight, config), x, weight, FP32_TOL)
 
 
-FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"]]
+FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, MAX_ROWS)
+                   if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
 FP8_SHAPES = {"even": (96, 256), "partial-rows": (51, 256)}  # 51: no BLOCK_N divides it
 
 
@@ -127,6 +131,33 @@ def test_fp8_weight_fp16_x_tensor_cores(config):
     # The fp8 tile widened to a 16-bit dot, which bf16 cannot show in the interpreter.
     x, weight, scale, dequantized = fp8_operands(MAX_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
     check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP16_TOL)
+
+
+W8A8_ROWS = [(c, rows) for c in W8A8 for rows in (MAX_ROWS + 1, c.kwargs["BLOCK_M"])]
+
+
+@pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
+def test_w8a8_configs_compute_fp8_linears_numbers(config, rows):
+    """Past MAX_ROWS the rows are quantized per row (quantize_rows, as fp8_linear quantizes them on
+    a GPU): the product in float64 of those quantized operands, the scales applied after; on the GPU
+    fp8_linear's own result too. (The interpreter's float8 cast rounds 124.3 to 64, not 128, where
+    torch's gives 128: there only the kernel's own quantization is the reference.)"""
+    x, weight, scale, dequantized = fp8_operands(rows, *FP8_SHAPES["partial-rows"], torch.float32, DEVICE)
+    x_fp8, x_scale = quantize_rows(x)
+    expected = (x_fp8.double() * x_scale.double()) @ dequantized.T
+    out = gemv(x, weight, config, weight_scale=scale)
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+    if COMPILED_CUDA:
+        torch.testing.assert_close(out, fp8_linear(x, weight, scale), **FP16_TOL)
+
+
+def test_w8a8_configs_take_fp8_weights_and_up_to_64_rows():
+    x, weight, scale, dequantized = fp8_operands(MAX_FP8_ROWS + 1, 96, 256, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gemv(x, weight, W8A8[-1], weight_scale=scale)
+    with pytest.raises(ValueError, match="is for FP8 weights"):
+        gemv(x[:MAX_ROWS], dequantized.float(), W8A8[0])
 
 
 def test_bad_fp8_inputs_raise():
@@ -163,6 +194,10 @@ def test_usable_configs_at_8b_shapes():
     for rows in range(1, MAX_ROWS + 1):
         for n, k in [(96, 64), (576, 576), (128256, 4096)]:
             assert usable(rows, n, k), f"no config for {rows}x{k} @ {n}x{k}"
+            assert all(c.kwargs["BLOCK_M"] <= MAX_ROWS for c in usable(rows, n, k))
+    for rows in range(MAX_ROWS + 1, MAX_FP8_ROWS + 1):  # FP8 weights: the narrowest W8A8 block that holds them
+        for n, k in [(4096, 4096), (6144, 4096), (4096, 14336)]:
+            assert {c.kwargs["BLOCK_M"] for c in usable(rows, n, k)} == {32 if rows <= 32 else 64}
 
 
 def test_bad_inputs_raise():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 
 import torch
 
@@ -91,8 +92,14 @@ def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> l
                             x_fp8, w.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype, use_fast_accum=fast))
             times = time_per_call_ms(candidates, weight)
             gbs = weight.numel() * weight.element_size() / (times["linear"] / 1e3) / 1e9
+            # What the decode's chooser timed for the shape: its GEMV (W8A8 past 16 rows) and the library's.
+            choice = model.linears.choices.get((count, *weight.shape, weight.dtype))
+            chosen = {} if choice is None else {"chooser_gemv_us": choice.gemv_ms * 1e3,
+                                                "chosen": "gemv" if choice.use_gemv else "library"}
+            if choice is not None and math.isfinite(choice.cublas_ms):  # weight-only rows have no library product
+                chosen["chooser_library_us"] = choice.cublas_ms * 1e3
             results.append({"weight": name, "rows": count, "n": weight.shape[0], "k": weight.shape[1],
-                            **{f"{part}_us": ms * 1e3 for part, ms in times.items()},
+                            **{f"{part}_us": ms * 1e3 for part, ms in times.items()}, **chosen,
                             "weight_gbs": gbs, "of_copy": gbs / bandwidth_gbs})
     return results
 

@@ -1,4 +1,5 @@
-"""Skinny matmul for the decode step, in Triton: out[M, N] = x[M, K] @ weight[N, K]^T, M <= 16.
+"""Skinny matmul for the decode step, in Triton: out[M, N] = x[M, K] @ weight[N, K]^T, M <= 16
+(FP8 weights: M <= 64).
 
 It is F.linear without bias for a batch of at most 16 rows. There a decode step is bound by reading
 each weight once, so the kernel is built to stream the weight at HBM bandwidth: program (n, s)
@@ -23,6 +24,13 @@ bytes of bf16, streamed by the same configs (the multiply-add ones in 16-byte lo
 elements). Tiles widen in registers, exactly (e4m3 fits in bf16, fp16 and fp32): to fp32 for the
 multiply-add, to x's dtype for tl.dot. The scale multiplies each program's fp32 sums once, after
 its K loop.
+
+FP8 weights and 17 to 64 rows (W8A8): a batch past the weight-only products, where the model's
+numbers are those of shared/model/quantization.fp8_linear: the rows quantized to float8_e4m3 with
+a scale each (fp8_quant_triton.quantize_rows), both operands into the FP8 tensor cores with the
+weight's rows as the MMA's 64-row side, and the two scales on each output after the K loop. This is
+what torch._scaled_mm computes there, but reading the weight as a GEMV does: the decode times both
+(shared/model/linear_choice.py) and keeps the faster.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ import functools
 
 import torch
 
+from shared.kernels.fp8_quant_triton import quantize_rows
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
+MAX_FP8_ROWS = 64  # FP8 weights: up to 64 rows, W8A8
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The weight dtype that comes with a per-output-channel weight_scale.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -68,14 +78,20 @@ if triton is not None:
         _config(16, 32, 256, 1, 4, 4),
         _config(16, 64, 128, 2, 4, 4),
         _config(16, 32, 256, 4, 4, 4),
+        # W8A8 (FP8 weights, more than MAX_ROWS rows): 32 and 64 rows a block, split-K for the small N.
+        _config(32, 64, 128, 1, 4, 4),
+        _config(32, 64, 128, 2, 4, 4),
+        _config(64, 64, 128, 1, 4, 3),
+        _config(64, 64, 128, 2, 4, 3),
+        _config(64, 128, 128, 1, 8, 3),
     ]
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, scale_ptr, out_ptr, partial_ptr,
+        x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, partial_ptr,
         M, N, K,
         stride_xm, stride_wn, stride_om,
-        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, X_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -96,6 +112,8 @@ if triton is not None:
         if HAS_SCALE:
             # Loaded before the loop, so its latency hides under the weight stream.
             scale = tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
+        if X_FP8:
+            x_scale = tl.load(x_scale_ptr + m, mask=m < M, other=0.0)
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
@@ -108,6 +126,8 @@ if triton is not None:
             x = tl.load(x_rows + cols[None, :], mask=m_mask & col_mask, other=0.0)
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)
+            elif X_FP8:
+                acc = tl.dot(w, tl.trans(x), acc=acc)
             else:
                 if HAS_SCALE:
                     # fp8 widens to x's dtype for the MMA, exactly, by way of fp32: straight to bf16
@@ -124,6 +144,8 @@ if triton is not None:
             # the scaled partials add up to the scaled sum (to fp32 rounding), and the sum kernel
             # stays one kernel for both weight formats, with no scale to read.
             result = result * scale[:, None]
+        if X_FP8:
+            result = result * x_scale[None, :]
         # result is [BLOCK_N, BLOCK_M]: out transposed.
         out_mask = row_mask & (m[None, :] < M)
         if SPLIT_K == 1:
@@ -150,11 +172,13 @@ def num_sms(device_index: int) -> int:
 
 
 def usable_configs(rows: int, n: int, k: int, sms: int) -> list:
-    """The configs worth timing for a shape on a GPU of `sms` SMs: multiply-add only for one row;
-    split-K only where the row blocks leave SMs idle and every split gets at least one K block."""
+    """The configs worth timing for a shape on a GPU of `sms` SMs: multiply-add only for one row,
+    the tensor cores in the narrowest block of rows that holds them (past MAX_ROWS: FP8 weights
+    only); split-K only where the row blocks leave SMs idle and every split gets at least one K
+    block."""
     def usable(config) -> bool:
         meta = config.kwargs
-        if meta["BLOCK_M"] < rows:
+        if meta["BLOCK_M"] < rows or (meta["BLOCK_M"] > MAX_ROWS and meta["BLOCK_M"] // 2 >= rows):
             return False
         return meta["SPLIT_K"] == 1 or (triton.cdiv(n, meta["BLOCK_N"]) < _SPLIT_BELOW_PROGRAMS_PER_SM * sms
                                         and k >= meta["SPLIT_K"] * meta["BLOCK_K"])
@@ -166,15 +190,19 @@ def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
             and weight_scale.is_contiguous() and weight_scale.device == weight.device)
 
 
+def max_rows(weight_scale: torch.Tensor | None) -> int:
+    return MAX_ROWS if weight_scale is None else MAX_FP8_ROWS
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, contiguous
+    """Whether gemv takes these on the GPU: CUDA, triton present, at most max_rows rows, contiguous
     last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale."""
     if weight_scale is None:
         weight_fits = weight.dtype == x.dtype
     else:
         weight_fits = weight.dtype == FP8_DTYPE and _scale_fits(weight, weight_scale)
     return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
+            and 0 < x.shape[0] <= max_rows(weight_scale) and x.shape[1] == weight.shape[1]
             and weight_fits and x.dtype in SUPPORTED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
@@ -182,8 +210,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor |
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    if x.shape[0] > max_rows(weight_scale):
+        raise ValueError(f"gemv takes at most {max_rows(weight_scale)} rows, got {x.shape[0]}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x {x.dtype} must be one of {SUPPORTED_DTYPES}")
     if weight_scale is None:
@@ -203,8 +231,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
 def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major, with one of CONFIGS: a new
     [M, N] in x's dtype. The weight is in x's dtype, or in FP8_DTYPE with weight_scale float32 [N]
-    (then F.linear(x, weight * weight_scale[:, None])). A config's first call compiles it, so it
-    must not come in a CUDA-graph capture."""
+    (then F.linear(x, weight * weight_scale[:, None]); with a config of more than MAX_ROWS rows, up
+    to 64 rows of x quantized per row first, fp8_linear's W8A8). A config's first call compiles it,
+    so it must not come in a CUDA-graph capture."""
     require_triton("gemv")
     _check(x, weight, weight_scale)
     rows, k = x.shape
@@ -214,6 +243,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
         return out
     if config.kwargs["BLOCK_M"] < rows:
         raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
+    w8a8 = config.kwargs["BLOCK_M"] > MAX_ROWS
+    if w8a8 and weight_scale is None:
+        raise ValueError(f"config {config.kwargs} is for FP8 weights")
+    # W8A8: the rows quantized as shared/model/quantization.fp8_linear quantizes them.
+    x_in, x_scale = quantize_rows(x) if w8a8 else (x, None)
     split_k = config.kwargs["SPLIT_K"]
     # Unused unless the config splits K; out stands in for it otherwise.
     partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -221,10 +255,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
     launch = pdl_options(x.device)
-    # Without a scale, scale_ptr is None and HAS_SCALE False: the kernel compiles as for the plain weight.
-    _gemv_kernel[grid](x, weight, weight_scale, out, partial, rows, n, k, x.stride(0), weight.stride(0),
-                       out.stride(0), DOT_PRECISION=precision, HAS_SCALE=weight_scale is not None,
-                       **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+    # Without a scale, scale_ptr is None and HAS_SCALE False: the kernel compiles as for the plain weight
+    # (x_scale_ptr likewise, unless W8A8).
+    _gemv_kernel[grid](x_in, weight, weight_scale, x_scale, out, partial, rows, n, k, x_in.stride(0),
+                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, HAS_SCALE=weight_scale is not None,
+                       X_FP8=w8a8, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+                       **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)

@@ -82,7 +82,7 @@ class LinearChooser:
 
     mode "auto" times both once per shape; "cublas" and "gemv" force one (tests, benchmarks; the
     GEMV's config is still the fastest one). A bias, the CPU and batches above gemv_triton.MAX_ROWS
-    always take F.linear (cuBLAS adds the bias in its epilogue before rounding, which the GEMV does
+    (FP8 weights: MAX_FP8_ROWS) always take F.linear (cuBLAS adds the bias in its epilogue before rounding, which the GEMV does
     not reproduce)."""
 
     def __init__(self, mode: str = "auto"):
@@ -96,9 +96,10 @@ class LinearChooser:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale: an FP8 weight's per-channel scale. Such a weight takes the GEMV wherever it can
-        (cuBLAS has no product of bf16 activations with FP8 weights), its fastest config; other
-        shapes take shared/model/quantization.fp8_linear."""
+        """scale: an FP8 weight's per-channel scale. Up to gemv_triton.MAX_ROWS rows such a weight
+        takes the GEMV (cuBLAS has no product of bf16 activations with FP8 weights), its fastest
+        config; up to MAX_FP8_ROWS, whichever of the GEMV's W8A8 and shared/model/quantization.
+        fp8_linear's (torch._scaled_mm) timed faster; other shapes take fp8_linear."""
         if scale is not None:
             return self._apply_fp8(x, weight, bias, scale)
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
@@ -111,7 +112,7 @@ class LinearChooser:
     def _apply_fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    scale: torch.Tensor) -> torch.Tensor:
         choice = self.choice(x, weight, scale) if gemv_triton.supports(x, weight, scale) else None
-        if choice is None:
+        if choice is None or not (choice.use_gemv or x.shape[0] in self.gemv_rows):
             return fp8_linear(x, weight, scale, bias)
         out = gemv_triton.gemv(x, weight, choice.gemv_config, weight_scale=scale)
         return out if bias is None else out + bias
@@ -135,14 +136,19 @@ class LinearChooser:
 
     def _time_all(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
         configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(x.device.index))
-        candidates = {"cublas": lambda w: F.linear(x, w)} if scale is None else {}
+        if scale is None:
+            candidates = {"cublas": lambda w: F.linear(x, w)}
+        elif x.shape[0] > gemv_triton.MAX_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
+            candidates = {"cublas": lambda w: fp8_linear(x, w, scale)}
+        else:  # weight-only: there is no library product of bf16 rows with FP8 weights
+            candidates = {}
         for i, config in enumerate(configs):
             candidates[i] = functools.partial(gemv_triton.gemv, x, config=config, weight_scale=scale)
         times = time_per_call_ms(candidates, weight)
         best = fastest_config(configs, [times[i] for i in range(len(configs))])
         cublas_ms = times.get("cublas", math.nan)
         choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
-                        use_gemv=scale is not None or prefer_gemv(cublas_ms, times[best], self.mode))
+                        use_gemv=not math.isfinite(cublas_ms) or prefer_gemv(cublas_ms, times[best], self.mode))
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
                  cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
                  gemv_config=str(configs[best].kwargs),
