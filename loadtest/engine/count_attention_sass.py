@@ -9,8 +9,10 @@ Triton bundles (no GPU needed), as the JIT would for the 8B shape (group of 4, h
 of 16, strides divisible by 16), disassembles it with Triton's cuobjdump, and reports per mode,
 kv.dtype and tiling (the small batches' and the large ones'): the registers, the spilled bytes,
 each loop's instructions per iteration, and the warp instructions per K/V byte of the main loop
-(the tile's bytes over its instructions times its warps). The figures are the compiler's, not timings: the same Triton version as the
-GPU's must be installed for them to describe what runs there.
+(the tile's bytes over its instructions times its warps). The same for the MLA latent kernel
+(shared/kernels/mla_decode_triton.py) at DeepSeek-V2-Lite's shape, per page format. The figures
+are the compiler's, not timings: the same Triton version as the GPU's must be installed for them
+to describe what runs there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loadtest.lib.report import emit
+from shared.kernels.mla_decode_triton import _MERGE_COLUMNS, _mla_split_kernel
+from shared.kernels.mla_decode_triton import default_tiling as latent_tiling
 from shared.kernels.paged_attention_triton import (
     DEFAULT_TILING,
     LARGE_BATCH_TILING,
@@ -32,7 +36,6 @@ from shared.kernels.paged_attention_triton import (
     _paged_decode_split_kernel,
 )
 
-KERNEL = _paged_decode_split_kernel
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
             "l_ptr", "acc_ptr", "out_ptr", "counters_ptr")
 # Integer arguments the JIT sees divisible by 16 at the 8B shape (and so specialises on).
@@ -40,27 +43,23 @@ DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stri
              "stride_oh", "num_heads")
 CASES = [("native", "bf16"), ("fp16", "i8"), ("fp16", "fp8e4nv"), ("fp8_query", "fp8e4nv")]
 ELEMENT_BYTES = {"bf16": 2, "i8": 1, "fp8e4nv": 1}
+# The latent kernel's, at DeepSeek-V2-Lite's shape (16 heads, a latent of 512 and a RoPE key of 64).
+LATENT_POINTERS = ("q_latent_ptr", "q_rope_ptr", "cache_ptr", "scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
+                   "l_ptr", "acc_ptr", "out_ptr", "counters_ptr")
+LATENT_DIVISIBLE = ("stride_lb", "stride_lh", "stride_rb", "stride_rh", "stride_p", "stride_t", "stride_pt",
+                    "stride_ob", "stride_oh", "num_heads")
+LATENT_HEADS, LATENT_RANK, LATENT_ROPE = 16, 512, 64
 
 
-def signature(kv_type: str) -> dict[str, str]:
-    types = {name: "i32" for name in KERNEL.arg_names}
-    types.update({name: "*fp32" for name in POINTERS}, q_ptr="*bf16", k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}",
-                 page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", counters_ptr="*i32", qk_scale="fp32",
-                 stride_p="i64")
-    return types
-
-
-def compile_sass(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> tuple[str, str]:
-    constants = {"GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
-                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32",
-                 "SPLIT": True, "INLINE_PTX": True, "USE_PDL": True}
-    types = {name: ("constexpr" if name in constants else kind) for name, kind in signature(kv_type).items()}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(KERNEL.arg_names)
-             if name in POINTERS or name in DIVISIBLE}
-    source = triton.compiler.ASTSource(fn=KERNEL, signature=types, constexprs=constants, attrs=attrs)
+def compile_sass(kernel, types: dict[str, str], constants: dict, divisible: tuple[str, ...], num_warps: int,
+                 num_stages: int, cubin: Path) -> tuple[str, str]:
+    """The kernel compiled for sm_90 as the JIT would (the arguments in `divisible` known to be
+    multiples of 16): its machine code and its resource usage."""
+    types = {name: ("constexpr" if name in constants else kind) for name, kind in types.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in divisible}
+    source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-    cubin = workdir / f"{mode}_{kv_type}_{tiling.block_n}x{tiling.num_warps}.cubin"
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     cubin.write_bytes(compiled.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
@@ -79,15 +78,44 @@ def loop_sizes(sass: str) -> list[int]:
     return sizes
 
 
-def count(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> dict:
-    sass, usage = compile_sass(mode, kv_type, tiling, workdir)
+def summary(sass: str, usage: str, num_warps: int, loop_bytes: int) -> dict:
+    """Registers, spills, each loop's instructions per iteration, and the main loop's warp
+    instructions per byte it reads (loop_bytes: a tile's)."""
     loops = loop_sizes(sass)
-    main_loop = max(loops)
-    tile_bytes = 2 * tiling.block_n * 128 * ELEMENT_BYTES[kv_type]
-    return {"mode": mode, "kv": kv_type, "tiling": vars(tiling),
-            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
-            "loop_instructions": loops, "warp_instructions_per_kv_byte": main_loop * tiling.num_warps / tile_bytes}
+            "loop_instructions": loops, "warp_instructions_per_kv_byte": max(loops) * num_warps / loop_bytes}
+
+
+def count(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> dict:
+    kernel = _paged_decode_split_kernel
+    types = {name: "i32" for name in kernel.arg_names}
+    types.update({name: "*fp32" for name in POINTERS}, q_ptr="*bf16", k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}",
+                 page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", counters_ptr="*i32", qk_scale="fp32",
+                 stride_p="i64")
+    constants = {"GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
+                 "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32",
+                 "SPLIT": True, "INLINE_PTX": True, "USE_PDL": True}
+    sass, usage = compile_sass(kernel, types, constants, POINTERS + DIVISIBLE, tiling.num_warps, tiling.num_stages,
+                               workdir / f"{mode}_{kv_type}_{tiling.block_n}x{tiling.num_warps}.cubin")
+    tile_bytes = 2 * tiling.block_n * 128 * ELEMENT_BYTES[kv_type]
+    return {"mode": mode, "kv": kv_type, "tiling": vars(tiling), **summary(sass, usage, tiling.num_warps, tile_bytes)}
+
+
+def count_latent(kv_type: str, workdir: Path) -> dict:
+    kernel, tiling = _mla_split_kernel, latent_tiling(LATENT_HEADS)
+    types = {name: "i32" for name in kernel.arg_names}
+    types.update({name: "*fp32" for name in LATENT_POINTERS}, q_latent_ptr="*bf16", q_rope_ptr="*bf16",
+                 cache_ptr=f"*{kv_type}", page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
+                 counters_ptr="*i32", qk_scale="fp32", stride_p="i64")
+    constants = {"RANK": LATENT_RANK, "ROPE": LATENT_ROPE, "PAGE_SIZE": 16, "BLOCK_H": tiling.block_h,
+                 "BLOCK_N": tiling.block_n, "QUANTIZED": kv_type != "bf16", "FP32_PRODUCTS": False,
+                 "DOT_PRECISION": "tf32", "SPLIT": True, "MERGE_COLUMNS": _MERGE_COLUMNS, "USE_PDL": True}
+    sass, usage = compile_sass(kernel, types, constants, LATENT_POINTERS + LATENT_DIVISIBLE, tiling.num_warps,
+                               tiling.num_stages, workdir / f"latent_{kv_type}.cubin")
+    tile_bytes = tiling.block_n * (LATENT_RANK + LATENT_ROPE) * ELEMENT_BYTES[kv_type]
+    return {"heads": LATENT_HEADS, "kv": kv_type, "tiling": vars(tiling),
+            **summary(sass, usage, tiling.num_warps, tile_bytes)}
 
 
 def main() -> None:
@@ -99,7 +127,8 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [count(mode, kv_type, tiling, workdir) for mode, kv_type in CASES
             for tiling in dict.fromkeys((DEFAULT_TILING[mode], LARGE_BATCH_TILING[mode]))]
-    emit({"triton": triton.__version__, "target": "sm_90", "kernels": rows}, args.out)
+    latent = [count_latent(kv_type, workdir) for kv_type in ELEMENT_BYTES]
+    emit({"triton": triton.__version__, "target": "sm_90", "kernels": rows, "latent_kernels": latent}, args.out)
 
 
 if __name__ == "__main__":
