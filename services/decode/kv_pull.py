@@ -181,9 +181,9 @@ class KvPuller:
             src_ids = np.frombuffer(wire.unpack_page_ids(task.src_page_ids), dtype=np.intc)
             if len(src_ids) < count:
                 raise ValueError(f"{len(src_ids)} page ids for a prompt of {count} pages")
-            indices = pulled_indices(count, len(local_pages))
+            pulled = pulled_indices(count, len(local_pages))
             row = ring_row(local_pages, count)
-            transfer = pool.start(task.request_id, src_ids[indices.start:count], row[indices.start:count])
+            transfer = pool.start(task.request_id, src_ids[pulled.start:pulled.stop], row[pulled.start:pulled.stop])
         except (TransferError, ValueError) as exc:  # WireError is a ValueError
             raise HandoffError(f"page ids do not fit the prefill pool: {exc}") from None
         self.in_flight.append(transfer)
