@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from shared.model import attention
 def load(path: str | Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("baseline_paged_attention_triton", Path(path))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the file runs
     spec.loader.exec_module(module)
     return module
 
