@@ -21,7 +21,9 @@ pytest.importorskip("triton")
 
 from shared.kernels import kv_quant
 from shared.kernels.mla_decode_triton import (
+    _MERGE_HERE_SPLITS,
     MlaTiling,
+    auto_num_splits,
     default_tiling,
     mla_decode_attention,
     mla_decode_reference,
@@ -123,6 +125,20 @@ def test_num_splits(num_splits):
     check([100, 1, 333], 16, num_splits=num_splits, kv_dtype=torch.int8)
 
 
+@pytest.mark.parametrize("num_splits", [_MERGE_HERE_SPLITS + 1, 40, None],
+                         ids=["first-merged-apart", "40-more-than-a-load", "default"])
+def test_many_splits_merged_by_a_launch_of_their_own(num_splits):
+    """Past _MERGE_HERE_SPLITS the partials go to merge_splits: a long sequence beside short ones
+    (most of their splits empty), 40 splits two loads of the merge's, and the default for a long
+    context at batch 1, which lifts the paged kernel's cap of 64."""
+    seq_lens = [5000, 1, 333]
+    if num_splits is None:
+        assert auto_num_splits(1, 1, 524288, 0, default_tiling(16), torch.device(DEVICE)) > 64
+        seq_lens = [5000]
+        assert auto_num_splits(1, 1, 5000, 0, default_tiling(16), torch.device(DEVICE)) > _MERGE_HERE_SPLITS
+    check(seq_lens, 16, num_splits=num_splits, kv_dtype=torch.int8)
+
+
 @pytest.mark.parametrize("window", [1, 20, 64, 1000])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["unquantized", "int8"])
 def test_window(kv_dtype, window):
@@ -205,22 +221,25 @@ def test_deepseek_shape_cuda(kv_dtype, heads, seq_lens):
 
 @pytest.mark.gpu
 @compiled_gpu
+@pytest.mark.parametrize("window", [4096, 0], ids=["window-merged-here", "whole-merged-apart"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
-def test_cuda_graph_replay_follows_the_inputs(kv_dtype):
+def test_cuda_graph_replay_follows_the_inputs(kv_dtype, window):
     """Captured once with one batch's queries, lengths and pages, replayed with another's: the grid
-    and the splits are fixed by the shapes, the lengths and pages are read on the device."""
+    and the splits are fixed by the shapes, the lengths and pages are read on the device. The
+    window's splits are merged by the last split program, the whole context's (19 splits) by
+    merge_splits."""
     case = make_case([5000, 4999, 3000, 1], 128, 16, torch.bfloat16, kv_dtype, **REAL)
     q_latent, q_rope, _, _, page_table, lens = case
     lens.copy_(torch.tensor([5000, 17, 3000, 1], dtype=torch.int32))
-    mla_decode_attention(*case, REAL_SCALE, window=4096)  # compiles outside the capture
+    mla_decode_attention(*case, REAL_SCALE, window=window)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode_attention(*case, REAL_SCALE, window=4096)
+        out = mla_decode_attention(*case, REAL_SCALE, window=window)
     # Each row takes the next row's pages, at a length they hold.
     page_table.copy_(page_table.roll(-1, 0))
     lens.copy_(torch.tensor([4999, 2999, 1, 4097], dtype=torch.int32))
     q_latent.copy_(torch.randn_like(q_latent))
     q_rope.copy_(torch.randn_like(q_rope))
     graph.replay()
-    torch.testing.assert_close(out.float(), mla_decode_reference(*case, REAL_SCALE, 4096).float(),
+    torch.testing.assert_close(out.float(), mla_decode_reference(*case, REAL_SCALE, window).float(),
                                **TOL[torch.bfloat16])

@@ -19,8 +19,7 @@ import argparse
 import torch
 
 from loadtest.lib import baseline_attention
-from loadtest.lib.device_rates import copy_bandwidth_gbs, cuda_time_ms
-from loadtest.lib.percentiles import quantile
+from loadtest.lib.device_rates import copy_bandwidth_gbs, graphed_time_ms
 from loadtest.lib.report import emit
 from shared.kernels import kv_quant
 from shared.kernels.paged_attention_triton import Tiling, compute_mode, default_tiling, paged_decode_attention
@@ -60,14 +59,6 @@ def step_attention(pool, q: torch.Tensor, table: torch.Tensor, seq_lens: torch.T
                    pool.value_scale(i)) for i in range(LAYERS)]
 
 
-def time_graphed(fn) -> float:
-    fn()  # compiles, outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return quantile(cuda_time_ms(graph.replay, 20), 0.5)
-
-
 def variants(shape: str, kv_dtype: str, baseline) -> dict:
     """name -> the kernel's call, as shipped and with one choice changed."""
     out = {"shipped": paged_decode_attention}
@@ -98,7 +89,7 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline) -> li
     floor_ms = batch * context * token_bytes(pool.layout) / (bandwidth_gbs * 1e9) * 1e3
     rows = []
     for name, kernel in variants(shape, kv_dtype, baseline).items():
-        ms = time_graphed(lambda: step_attention(pool, q, table, seq_lens, kernel))
+        ms = graphed_time_ms(lambda: step_attention(pool, q, table, seq_lens, kernel))
         rows.append({"shape": shape, "batch": batch, "context": context, "kv_dtype": kv_dtype, "variant": name,
                      "step_attention_ms": ms, "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms})
     shipped = rows[0]["step_attention_ms"]

@@ -110,7 +110,8 @@ def count_latent(kv_type: str, workdir: Path) -> dict:
                  counters_ptr="*i32", qk_scale="fp32", stride_p="i64")
     constants = {"RANK": LATENT_RANK, "ROPE": LATENT_ROPE, "PAGE_SIZE": 16, "BLOCK_H": tiling.block_h,
                  "BLOCK_N": tiling.block_n, "QUANTIZED": kv_type != "bf16", "FP32_PRODUCTS": False,
-                 "DOT_PRECISION": "tf32", "SPLIT": True, "MERGE_COLUMNS": _MERGE_COLUMNS, "USE_PDL": True}
+                 "DOT_PRECISION": "tf32", "SPLIT": True, "MERGE_COLUMNS": _MERGE_COLUMNS, "MERGE_HERE": True,
+                 "USE_PDL": True}
     sass, usage = compile_sass(kernel, types, constants, LATENT_POINTERS + LATENT_DIVISIBLE, tiling.num_warps,
                                tiling.num_stages, workdir / f"latent_{kv_type}.cubin")
     tile_bytes = tiling.block_n * (LATENT_RANK + LATENT_ROPE) * ELEMENT_BYTES[kv_type]

@@ -1,10 +1,12 @@
 """The device's own limits, measured in the benchmark's run: the copy bandwidth a decode step's
 floor divides by, the bf16 and FP8 matmul rates a prefill's efficiency is a fraction of, and the
-CUDA event timer they are read with."""
+CUDA event timers they are read with (of calls, or of a captured CUDA graph)."""
 
 from __future__ import annotations
 
 import torch
+
+from loadtest.lib.percentiles import quantile
 
 GIB = 1 << 30
 
@@ -22,6 +24,15 @@ def cuda_time_ms(fn, iterations: int, warmup: int = 3) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)
+
+
+def graphed_time_ms(fn, replays: int = 20) -> float:
+    """The median device time of fn captured in one CUDA graph (its launches cost nothing more)."""
+    fn()  # compiles, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return quantile(cuda_time_ms(graph.replay, replays), 0.5)
 
 
 def copy_bandwidth_gbs() -> float:

@@ -29,6 +29,12 @@ chunk and writes fp32 partials (max, sum, unnormalised acc) to scratch, and the 
 block's programs to finish merges them (shared/kernels/split_merge_triton.py). The grid and
 num_splits depend only on shapes (B, H, page_table's width), so nothing syncs with the host and a
 CUDA graph can capture the call.
+
+Why a small batch's long context splits in up to a wave: at batch 1 the heads are one head block,
+so only the splits spread a sequence's latent over the SMs. Capped at the paged kernel's 64, one
+sequence at 524K read its 604 MB a layer with 64 programs on 132 SMs, at 4.9 times the step's
+floor (docs/BENCHMARKS.md). Past _MERGE_HERE_SPLITS, the partials (32 KB a split at 16 heads x
+512) are merged by a launch of their own rather than by the last program alone.
 """
 
 from __future__ import annotations
@@ -43,9 +49,8 @@ from shared.kernels.paged_attention_triton import (
     _NO_WINDOW,
     _choose_num_splits,
     _num_sms,
-    _split_range,
 )
-from shared.kernels.split_merge_triton import finish_split, split_counters
+from shared.kernels.split_merge_triton import finish_split, merge_splits, split_counters, split_range
 from shared.kernels.triton_support import (
     pdl_options,
     require_triton,
@@ -57,6 +62,10 @@ from shared.kernels.triton_support import (
 
 # Columns of the latent the merge takes at a time: wider ones made the 16-head kernel spill (sm_90).
 _MERGE_COLUMNS = 64
+# The most splits whose partials the last program merges alone: 16 x 16 heads x 512 x 4 bytes is
+# 512 KB for one SM, where a launch of its own takes a few microseconds. Chosen from the bytes, not
+# timed.
+_MERGE_HERE_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ if triton is not None:
         RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
         FP32_PRODUCTS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -97,7 +106,7 @@ if triton is not None:
         b = tl.program_id(2)
         head_mask = heads < num_heads
 
-        begin, lo, hi = _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
+        begin, lo, hi, used = split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
 
         r = tl.arange(0, RANK)
         e = tl.arange(0, ROPE)
@@ -142,7 +151,7 @@ if triton is not None:
             m_i = m_new
         finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * tl.num_programs(0) + tl.program_id(0), (b * num_heads + heads) * num_splits,
-                     split, num_splits, head_mask, SPLIT, BLOCK_H, RANK, MERGE_COLUMNS)
+                     split, num_splits, used, head_mask, SPLIT, BLOCK_H, RANK, MERGE_COLUMNS, MERGE_HERE)
 
 
 def mla_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -172,13 +181,14 @@ def mla_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
 def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          cache_scale: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
                          scale: float, window: int = 0, num_splits: int | None = None,
-                         tiling: MlaTiling | None = None) -> torch.Tensor:
+                         tiling: MlaTiling | None = None, merge_here: bool | None = None) -> torch.Tensor:
     """q_latent [B, H, R] and q_rope [B, H, Dr] (bf16, fp16 or fp32) over the latent pages cache
     [num_pages, page_size, 1, R + Dr], in q's dtype or int8/float8_e4m3fn with cache_scale float32
     [num_pages, page_size, 1]; returns [B, H, R] in q's dtype. page_table [B, max_pages] and seq_lens
     [B] are int32 on q's device, seq_lens >= 1. window > 0: only each sequence's last `window`
-    tokens. num_splits=None picks it from the shapes; tiling=None, default_tiling's for H
-    (benchmarks sweep it)."""
+    tokens. num_splits=None picks it from the shapes; tiling=None, default_tiling's for H;
+    merge_here=None, the last split program's merge up to _MERGE_HERE_SPLITS splits, a launch of its
+    own past them (benchmarks sweep all three)."""
     require_triton("mla_decode_attention")
     _check(q_latent, q_rope, cache, cache_scale, page_table, seq_lens)
     if window < 0:
@@ -188,9 +198,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     tiling = tiling or default_tiling(num_heads)
     head_blocks = triton.cdiv(num_heads, tiling.block_h)
     if num_splits is None:
-        context = page_table.shape[1] * page_size
-        context = min(context, window + tiling.block_n) if window else context  # a window's reads span this at most
-        num_splits = _choose_num_splits(batch, head_blocks, context, _num_sms(q_latent.device))
+        num_splits = auto_num_splits(batch, head_blocks, page_table.shape[1] * page_size, window, tiling,
+                                     q_latent.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -203,6 +212,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     # operands of tl.dot as their integer bits (3.9).
     fp32_products = q_latent.dtype == torch.float32 or not q_latent.is_cuda
     scales = cache_scale if cache_scale is not None else cache  # unread when unquantized
+    if merge_here is None:
+        merge_here = num_splits <= _MERGE_HERE_SPLITS
     _mla_split_kernel[(head_blocks, num_splits, batch)](
         q_latent, q_rope, cache, scales, page_table, seq_lens,
         m, l, acc, out, split_counters(device, batch * head_blocks),
@@ -214,10 +225,21 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n, QUANTIZED=cache_scale is not None,
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         FP32_PRODUCTS=fp32_products, DOT_PRECISION="ieee" if fp32_products else "tf32",
-        SPLIT=num_splits > 1, MERGE_COLUMNS=min(rank, _MERGE_COLUMNS),
+        SPLIT=num_splits > 1, MERGE_COLUMNS=min(rank, _MERGE_COLUMNS), MERGE_HERE=merge_here,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(device),
     )
+    if not merge_here:
+        merge_splits(m, l, acc, out, seq_lens, window or _NO_WINDOW, tiling.block_n, min(rank, _MERGE_COLUMNS))
     return out
+
+
+def auto_num_splits(batch: int, head_blocks: int, context: int, window: int, tiling: MlaTiling,
+                    device: torch.device) -> int:
+    """The splits a call takes by default: the paged kernel's rule over the tokens a sequence may
+    read (page_table's width, or a window's span), without its cap (see the module's docstring)."""
+    if window:
+        context = min(context, window + tiling.block_n)  # a window's reads span this at most
+    return _choose_num_splits(batch, head_blocks, context, _num_sms(device), max_splits=None)
 
 
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, cache_scale: torch.Tensor | None,

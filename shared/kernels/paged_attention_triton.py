@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kernels.split_merge_triton import finish_split, split_counters
+from shared.kernels.split_merge_triton import finish_split, split_counters, split_range
 from shared.kernels.triton_support import compiled, pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
@@ -194,19 +194,6 @@ if triton is not None:
         return tl.max(top, axis=0)
 
     @triton.jit
-    def _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N: tl.constexpr):
-        """Sequence b's split `split`: the first token it reads (0 without a window, which comes as
-        _NO_WINDOW) and its tokens lo..hi-1. Chunks start on BLOCK_N multiples from the tile that
-        holds the first token, so only the first tile of a window and the last of a sequence are
-        partial, and every tile a program visits holds a token it reads."""
-        seq_len = tl.load(seq_lens_ptr + b)
-        begin = tl.maximum(seq_len - window, 0)
-        base = begin // BLOCK_N * BLOCK_N
-        chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-        lo = base + split * chunk
-        return begin, lo, tl.minimum(lo + chunk, seq_len)
-
-    @triton.jit
     def _paged_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page_table_ptr, seq_lens_ptr,
         m_ptr, l_ptr, acc_ptr, out_ptr, counters_ptr,
@@ -225,7 +212,7 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
-        begin, lo, hi = _split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
+        begin, lo, hi, used = split_range(seq_lens_ptr, b, split, num_splits, window, BLOCK_N)
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -281,7 +268,7 @@ if triton is not None:
                                   INLINE_PTX)
         finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * num_kv_heads + kvh, (b * num_heads + heads) * num_splits, split, num_splits,
-                     head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM)
+                     used, head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM, True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,14 +278,16 @@ def _num_sms(device: torch.device) -> int:
     return _DEFAULT_NUM_SMS
 
 
-def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                       max_splits: int | None = _MAX_AUTO_SPLITS) -> int:
     """Splits per (sequence, kv head): as many as fit in one wave of _PROGRAMS_PER_SM programs per
-    SM, at least one, and no chunk of the longest context under _MIN_TOKENS_PER_SPLIT tokens. One
-    wave, not more: the programs of a second, partial wave would run on few SMs. On an H200 batch 32
-    x 8 kv heads is unsplit (256 programs), batch 8 splits in 4, one sequence at 512K in 33."""
+    SM, at least one, no chunk of the longest context under _MIN_TOKENS_PER_SPLIT tokens, and at
+    most max_splits (None: the wave alone bounds them). One wave, not more: the programs of a
+    second, partial wave would run on few SMs. On an H200 batch 32 x 8 kv heads is unsplit (256
+    programs), batch 8 splits in 4, one sequence at 512K in 33."""
     one_wave = _PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads)
     by_length = max_context // _MIN_TOKENS_PER_SPLIT
-    return max(1, min(one_wave, by_length, _MAX_AUTO_SPLITS))
+    return max(1, min(one_wave, by_length, max_splits or one_wave))
 
 
 def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
