@@ -195,6 +195,8 @@ def test_bad_inputs():
         mla_decode_attention(q_latent[:, :, :48], q_rope, cache[..., 16:], scales, page_table, lens, 0.1)
     with pytest.raises(ValueError, match="window"):
         mla_decode_attention(q_latent, q_rope, cache, scales, page_table, lens, 0.1, window=-1)
+    with pytest.raises(ValueError, match="products must be one of"):
+        mla_decode_attention(q_latent, q_rope, cache, scales, page_table, lens, 0.1, products="bf16")
 
 
 compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -217,6 +219,19 @@ def test_deepseek_shape_cuda(kv_dtype, heads, seq_lens):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
+
+
+@pytest.mark.gpu
+@compiled_gpu
+@pytest.mark.parametrize("products", ["fp16", "native"], ids=["fp16-default", "bf16-benchmarks-baseline"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:], ids=KV_IDS[1:])
+def test_quantized_pages_either_products(kv_dtype, products):
+    """Quantized pages through fp16 products (the default, the values converted as loaded) and
+    through bf16 ones (the benchmark's baseline), both against the reference."""
+    case = make_case(BATCH_64[:8], 16, 64, torch.bfloat16, kv_dtype, **REAL)
+    out = mla_decode_attention(*case, REAL_SCALE, products=products)
+    ref = mla_decode_reference(*case, REAL_SCALE).float()
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -7,9 +7,10 @@ and a RoPE key of 64), all in one CUDA graph, the median of 20 replays, beside i
 and scales those calls read, at the copy bandwidth measured in the same run). The page table is as
 wide as the decode worker's at the preset's context, so the split count is the one serving
 chooses. For each shape and page format: the kernel as shipped; the same splits merged the other
-way (by the last split program, or by a launch of their own); the rule at 1032f1b
-(splits capped at 64, merged by the last program: `capped_64_merged_by_last`); other split counts
-and tilings in place of its own.
+way (by the last split program, or by a launch of their own); the split rule at 1032f1b (capped at
+64, merged by the last program: `capped_64_merged_by_last`); for quantized pages, the products in
+bf16 as at 1032f1b (`bf16_products`) rather than fp16; other split counts and tilings in place of
+its own.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ def filled_latents(kv_dtype: str, pages: int) -> list[tuple[torch.Tensor, torch.
     return layers
 
 
-def variants(batch: int, width: int) -> dict:
+def variants(batch: int, width: int, kv_dtype: str) -> dict:
     """name -> the options of the kernel's call, as shipped and with one choice changed."""
     tiling = default_tiling(HEADS)
     shipped_splits = auto_num_splits(batch, 1, width, 0, tiling, torch.device("cuda"))
     out = {"shipped": {}}
+    if kv_dtype != "bfloat16":
+        out["bf16_products"] = {"products": "native"}  # quantized values converted to bf16, as at 1032f1b
     if shipped_splits > 1:
         out["other_merge"] = {"num_splits": shipped_splits, "merge_here": shipped_splits > _MERGE_HERE_SPLITS}
     if shipped_splits > 64:
@@ -83,7 +86,7 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float) -> list[dict]:
     token_bytes = sum(c[0, 0].nbytes + (0 if s is None else s[0, 0].nbytes) for c, s in layers)
     floor_ms = batch * context * token_bytes / (bandwidth_gbs * 1e9) * 1e3
     rows = []
-    for name, options in variants(batch, width).items():
+    for name, options in variants(batch, width, kv_dtype).items():
         def step():
             return [mla_decode_attention(q_latent, q_rope, cache, scales, table, seq_lens, SCALE, **options)
                     for cache, scales in layers]

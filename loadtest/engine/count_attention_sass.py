@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loadtest.lib.report import emit
-from shared.kernels.mla_decode_triton import _MERGE_COLUMNS, _mla_split_kernel
+from shared.kernels.mla_decode_triton import _MERGE_COLUMNS, _PRODUCTS, _mla_split_kernel
 from shared.kernels.mla_decode_triton import default_tiling as latent_tiling
 from shared.kernels.paged_attention_triton import (
     DEFAULT_TILING,
@@ -109,8 +109,9 @@ def count_latent(kv_type: str, workdir: Path) -> dict:
                  cache_ptr=f"*{kv_type}", page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
                  counters_ptr="*i32", qk_scale="fp32", stride_p="i64")
     constants = {"RANK": LATENT_RANK, "ROPE": LATENT_ROPE, "PAGE_SIZE": 16, "BLOCK_H": tiling.block_h,
-                 "BLOCK_N": tiling.block_n, "QUANTIZED": kv_type != "bf16", "FP32_PRODUCTS": False,
-                 "DOT_PRECISION": "tf32", "SPLIT": True, "MERGE_COLUMNS": _MERGE_COLUMNS, "MERGE_HERE": True,
+                 "BLOCK_N": tiling.block_n, "QUANTIZED": kv_type != "bf16",
+                 "PRODUCTS": _PRODUCTS["native" if kv_type == "bf16" else "fp16"], "DOT_PRECISION": "tf32",
+                 "INLINE_PTX": True, "SPLIT": True, "MERGE_COLUMNS": _MERGE_COLUMNS, "MERGE_HERE": True,
                  "USE_PDL": True}
     sass, usage = compile_sass(kernel, types, constants, LATENT_POINTERS + LATENT_DIVISIBLE, tiling.num_warps,
                                tiling.num_stages, workdir / f"latent_{kv_type}.cubin")

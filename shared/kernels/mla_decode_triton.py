@@ -19,9 +19,11 @@ Why the heads share tiles: every head reads the same latent, so a program takes 
 (the products' M) and each [BLOCK_N, R + Dr] tile of tokens it loads serves them all:
 scores [heads, BLOCK_N] = q_latent @ c^T + q_rope @ k_rope^T, then acc [heads, R] += p @ c, the same
 c tile in both products. A program per head would read the pages H times. Quantized values are
-converted exactly to the products' dtype (every int8 and e4m3 value is a bf16 and an fp16 value) and
-their scales stay outside the products: each token's scale multiplies its column of scores and its
-column of probabilities, H * BLOCK_N multiplies a tile rather than BLOCK_N * (R + Dr).
+converted exactly to fp16 on the tile as loaded, as the paged kernel's "fp16" mode converts them
+(every int8 and e4m3 value is an fp16 value), and their scales stay outside the products: each
+token's scale multiplies its column of scores and its column of probabilities (divided by the
+split's largest scale, so the fp16 weights keep their precision), H * BLOCK_N multiplies a tile
+rather than BLOCK_N * (R + Dr).
 
 Split and merge (flash-decoding): the grid is (head blocks, num_splits, B). Each sequence's context
 is cut into num_splits chunks (sized from its own length); a program runs an online softmax over its
@@ -48,10 +50,13 @@ from shared.kernels.paged_attention_triton import (
     _LOG2E,
     _NO_WINDOW,
     _choose_num_splits,
+    _largest_scale,
     _num_sms,
+    _to_fp16,
 )
 from shared.kernels.split_merge_triton import finish_split, merge_splits, split_counters, split_range
 from shared.kernels.triton_support import (
+    compiled,
     pdl_options,
     require_triton,
     tl,
@@ -62,6 +67,11 @@ from shared.kernels.triton_support import (
 
 # Columns of the latent the merge takes at a time: wider ones made the 16-head kernel spill (sm_90).
 _MERGE_COLUMNS = 64
+# The products' dtype (the kernel's PRODUCTS): q's own (bf16 or fp16 queries over pages of their
+# dtype), fp32, or fp16 over quantized pages, whose values are converted exactly to fp16 on the tile as
+# loaded (paged_attention_triton's "fp16" mode: bf16 took 1,624 instructions a 32-token iteration
+# for int8 pages and 1,595 for e4m3, twice the 817 of bf16 pages, docs/BENCHMARKS.md).
+_PRODUCTS = {"native": 0, "fp32": 1, "fp16": 2}
 # The most splits whose partials the last program merges alone: 16 x 16 heads x 512 x 4 bytes is
 # 512 KB for one SM, where a launch of its own takes a few microseconds. Chosen from the bytes, not
 # timed.
@@ -97,8 +107,8 @@ if triton is not None:
         stride_p, stride_t, stride_sp, stride_st, stride_pt, stride_ob, stride_oh,
         RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
-        FP32_PRODUCTS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
-        MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
+        PRODUCTS: tl.constexpr, DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr, SPLIT: tl.constexpr,
+        MERGE_COLUMNS: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -111,15 +121,24 @@ if triton is not None:
         r = tl.arange(0, RANK)
         e = tl.arange(0, ROPE)
         n = tl.arange(0, BLOCK_N)
-        # The products are in q's dtype (its loaded one, or fp32): the pages are converted to it.
+        # The products are in PRODUCTS' dtype (see _PRODUCTS); the pages are converted to it.
         q_latent = tl.load(q_latent_ptr + b * stride_lb + heads[:, None] * stride_lh + r[None, :],
                            mask=head_mask[:, None], other=0.0)
         q_rope = tl.load(q_rope_ptr + b * stride_rb + heads[:, None] * stride_rh + e[None, :],
                          mask=head_mask[:, None], other=0.0)
-        if FP32_PRODUCTS:
+        table_row = page_table_ptr + b * stride_pt
+        v_top = 1.0
+        if PRODUCTS == 1:
             q_latent = q_latent.to(tl.float32)
             q_rope = q_rope.to(tl.float32)
-        table_row = page_table_ptr + b * stride_pt
+        elif PRODUCTS == 2:
+            # fp16 queries carry the softmax scale; the probabilities are weighed by the token scales
+            # over the split's largest, so that the fp16 weights keep their precision.
+            q_latent = (q_latent.to(tl.float32) * qk_scale).to(tl.float16)
+            q_rope = (q_rope.to(tl.float32) * qk_scale).to(tl.float16)
+            v_top = _largest_scale(scale_ptr, table_row, tl.maximum(lo, begin), hi, 0, stride_sp, stride_st,
+                                   PAGE_SIZE, 8 * BLOCK_N)
+        v_norm = 1.0 / tl.maximum(v_top, 1e-30)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -132,24 +151,32 @@ if triton is not None:
             slot = tok % PAGE_SIZE
             rows = cache_ptr + page * stride_p + slot * stride_t
             # Masked slots read as 0: past seq_len a page may hold anything, NaN included.
-            c = tl.load(rows[:, None] + r[None, :], mask=valid[:, None], other=0.0).to(q_latent.dtype)
-            k_rope = tl.load(rows[:, None] + RANK + e[None, :], mask=valid[:, None], other=0.0).to(q_latent.dtype)
+            c = tl.load(rows[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+            k_rope = tl.load(rows[:, None] + RANK + e[None, :], mask=valid[:, None], other=0.0)
+            if PRODUCTS == 2:
+                c = _to_fp16(c, 1, INLINE_PTX)
+                k_rope = _to_fp16(k_rope, 1, INLINE_PTX)
+            else:
+                c = c.to(q_latent.dtype)
+                k_rope = k_rope.to(q_latent.dtype)
             qk = tl.dot(q_latent, tl.trans(c), input_precision=DOT_PRECISION)
             qk = tl.dot(q_rope, tl.trans(k_rope), qk, input_precision=DOT_PRECISION)
             if QUANTIZED:
                 token_scale = tl.load(scale_ptr + page * stride_sp + slot * stride_st, mask=valid, other=0.0)
                 qk *= token_scale[None, :]
             # Scores in the log2 domain (qk_scale carries log2 e) for exp2.
-            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+            if PRODUCTS != 2:  # else the queries carry it
+                qk *= qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if QUANTIZED:
-                p *= token_scale[None, :]
+                p *= (token_scale * v_norm)[None, :]
             acc = tl.dot(p.to(q_latent.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
-        finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
+        finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * tl.num_programs(0) + tl.program_id(0), (b * num_heads + heads) * num_splits,
                      split, num_splits, used, head_mask, SPLIT, BLOCK_H, RANK, MERGE_COLUMNS, MERGE_HERE)
 
@@ -181,14 +208,15 @@ def mla_decode_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
 def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          cache_scale: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
                          scale: float, window: int = 0, num_splits: int | None = None,
-                         tiling: MlaTiling | None = None, merge_here: bool | None = None) -> torch.Tensor:
+                         tiling: MlaTiling | None = None, merge_here: bool | None = None,
+                         products: str | None = None) -> torch.Tensor:
     """q_latent [B, H, R] and q_rope [B, H, Dr] (bf16, fp16 or fp32) over the latent pages cache
     [num_pages, page_size, 1, R + Dr], in q's dtype or int8/float8_e4m3fn with cache_scale float32
     [num_pages, page_size, 1]; returns [B, H, R] in q's dtype. page_table [B, max_pages] and seq_lens
     [B] are int32 on q's device, seq_lens >= 1. window > 0: only each sequence's last `window`
     tokens. num_splits=None picks it from the shapes; tiling=None, default_tiling's for H;
     merge_here=None, the last split program's merge up to _MERGE_HERE_SPLITS splits, a launch of its
-    own past them (benchmarks sweep all three)."""
+    own past them; products=None, _products' choice of a _PRODUCTS key (benchmarks sweep all four)."""
     require_triton("mla_decode_attention")
     _check(q_latent, q_rope, cache, cache_scale, page_table, seq_lens)
     if window < 0:
@@ -208,9 +236,9 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     l = torch.empty_like(m)
     acc = torch.empty((batch, num_heads, num_splits, rank), dtype=torch.float32, device=device)
     out = torch.empty((batch, num_heads, rank), dtype=q_latent.dtype, device=device)
-    # Products in q's dtype on the GPU; in fp32 in Triton's CPU interpreter, which multiplies bf16
-    # operands of tl.dot as their integer bits (3.9).
-    fp32_products = q_latent.dtype == torch.float32 or not q_latent.is_cuda
+    if products is not None and products not in _PRODUCTS:
+        raise ValueError(f"products must be one of {sorted(_PRODUCTS)}, not {products!r}")
+    products = _PRODUCTS[products] if products else _products(q_latent, cache_scale is not None)
     scales = cache_scale if cache_scale is not None else cache  # unread when unquantized
     if merge_here is None:
         merge_here = num_splits <= _MERGE_HERE_SPLITS
@@ -224,13 +252,25 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         RANK=rank, ROPE=q_rope.shape[2], PAGE_SIZE=page_size,
         BLOCK_H=tiling.block_h, BLOCK_N=tiling.block_n, QUANTIZED=cache_scale is not None,
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
-        FP32_PRODUCTS=fp32_products, DOT_PRECISION="ieee" if fp32_products else "tf32",
+        PRODUCTS=products, DOT_PRECISION="ieee" if products == _PRODUCTS["fp32"] else "tf32",
+        INLINE_PTX=compiled(device),
         SPLIT=num_splits > 1, MERGE_COLUMNS=min(rank, _MERGE_COLUMNS), MERGE_HERE=merge_here,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_options(device),
     )
     if not merge_here:
         merge_splits(m, l, acc, out, seq_lens, window or _NO_WINDOW, tiling.block_n, min(rank, _MERGE_COLUMNS))
     return out
+
+
+def _products(q_latent: torch.Tensor, quantized: bool) -> int:
+    """The products' dtype (see _PRODUCTS): fp32 for fp32 queries, and in Triton's CPU interpreter
+    for unquantized pages (it multiplies bf16 operands of tl.dot as their integer bits, 3.9); fp16
+    for quantized pages; else q's dtype."""
+    if q_latent.dtype == torch.float32:
+        return _PRODUCTS["fp32"]
+    if quantized:
+        return _PRODUCTS["fp16"]
+    return _PRODUCTS["native"] if q_latent.is_cuda else _PRODUCTS["fp32"]
 
 
 def auto_num_splits(batch: int, head_blocks: int, context: int, window: int, tiling: MlaTiling,
