@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from loadtest.lib.device_rates import copy_bandwidth_gbs, graphed_time_ms
-from loadtest.lib.report import emit
+from loadtest.lib.report import emit, save
 from shared.kernels import kv_quant
 from shared.kernels.mla_decode_triton import (
     _MERGE_HERE_SPLITS,
@@ -110,13 +110,14 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs()
-    rows = []
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbs": bandwidth,
+              "layers": LAYERS, "heads": HEADS, "rows": []}
     for shape in args.shapes.split(","):
         for kv_dtype in args.kv_dtypes.split(","):
-            rows += bench_shape(shape, kv_dtype, bandwidth)
+            report["rows"] += bench_shape(shape, kv_dtype, bandwidth)
+            save(report, args.out)
             torch.cuda.empty_cache()
-    emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbs": bandwidth,
-          "layers": LAYERS, "heads": HEADS, "rows": rows}, args.out)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
