@@ -24,6 +24,7 @@ from shared.kernels.fused_moe_triton import (
     LONG_RUN_CONFIG,
     SHORT_RUN_CONFIG,
     align_pairs_by_expert,
+    align_pairs_in_one_program,
     block_config,
     fused_moe,
     moe_reference,
@@ -109,6 +110,23 @@ def test_alignment_pads_each_run_to_whole_blocks():
     runs = [1, 7, pad, pad] + [4, pad, pad, pad] + [0, 2, 5, 6] + [3, pad, pad, pad]  # experts 0, 1, 3, 5
     assert sorted_pairs.tolist() == runs + [pad] * 16
     assert expert_of_block.tolist() == [0, 1, 3, 5] + [EXPERTS] * 4
+
+
+@pytest.mark.parametrize("experts,choices,tokens,block_m", [
+    (8, 2, 4, 4), (8, 2, 33, 16), (64, 6, 1, 16), (64, 6, 64, 16), (128, 8, 7, 16), (256, 8, 3, 16),
+    (2, 2, 64, 64), (64, 6, 341, 64),
+], ids=lambda v: str(v))
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_one_program_aligns_as_the_pytorch_ops_do(experts, choices, tokens, block_m, id_dtype):
+    """Random routings (each token's choices distinct, as top-k's are) from one token to more
+    pairs than a tile, over 2 to 256 experts: the same sorted pairs and block experts."""
+    gen = torch.Generator().manual_seed(experts * 1000 + tokens)
+    topk_ids = torch.rand(tokens, experts, generator=gen).topk(choices, dim=1).indices.to(id_dtype).to(DEVICE)
+    expected = align_pairs_by_expert(topk_ids, experts, block_m)
+    got = align_pairs_in_one_program(topk_ids, experts, block_m)
+    for want, have in zip(expected, got):
+        assert have.dtype == want.dtype == torch.int64
+        assert have.tolist() == want.tolist()
 
 
 def test_alignment_reads_nothing_on_the_host():

@@ -1,7 +1,9 @@
 """A mixture-of-experts MLP in Triton, as vLLM's fused_moe computes it: two grouped GEMMs over
 (token, choice) pairs sorted by expert.
 
-    align          sort the T*k pairs by expert, pad each expert's run to a multiple of BLOCK_M
+    align          sort the T*k pairs by expert, pad each expert's run to a multiple of BLOCK_M:
+                   for a decode step's few pairs one Triton program (about fifteen small PyTorch
+                   kernels otherwise, a layer's worth of launches on their own)
     gate_up GEMM   one launch: each program takes BLOCK_M sorted pairs of one expert and
                    BLOCK_N columns of that expert's gate_up weight -> [T*k, 2I]
     silu_and_mul   fused_triton's kernel, on the [T*k, 2I] rows as they are -> [T*k, I]
@@ -33,6 +35,11 @@ LONG_RUN_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}
 _LONG_RUN_PAIRS = 32
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+# Up to this many pairs the alignment is one program (a decode step's: 6 choices x 256 rows at
+# most is 1,536); more, a prefill's, go through PyTorch's sort, whose kernels spread over the GPU.
+_ONE_PROGRAM_PAIRS = 2048
+# The one program's tiles: [rows, experts] comparisons of this many elements (32 a thread at 4 warps).
+_ALIGN_TILE = 4096
 
 
 if triton is not None:
@@ -72,6 +79,50 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
 
 
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_pairs_ptr, expert_of_block_ptr, num_pairs, num_experts, length,
+                      BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+        """align_pairs_by_expert in one program, ROWS pairs or slots at a time against every expert:
+        the runs' lengths, each pair to its run (after the earlier pairs of its expert), the
+        padding into every other slot, each block's expert. The pairs and the padding go to
+        different slots, so no store waits on another."""
+        wait_for_previous_kernel(USE_PDL)
+        e = tl.arange(0, EXPERTS_PAD)
+        r = tl.arange(0, ROWS)
+        counts = tl.zeros([EXPERTS_PAD], tl.int32)
+        for start in range(0, num_pairs, ROWS):
+            pair = start + r
+            # A slot past the pairs reads as EXPERTS_PAD, no expert's.
+            expert = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=EXPERTS_PAD)
+            counts += tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        seen = tl.zeros([EXPERTS_PAD], tl.int32)
+        for start in range(0, num_pairs, ROWS):
+            pair = start + r
+            expert = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=EXPERTS_PAD)
+            mine = (expert[:, None] == e[None, :]).to(tl.int32)
+            earlier = tl.cumsum(mine, axis=0) - mine  # this tile's earlier pairs of the same expert
+            place = tl.sum(mine * ((starts + seen)[None, :] + earlier), axis=1)
+            tl.store(sorted_pairs_ptr + place, pair.to(tl.int64), mask=pair < num_pairs)
+            seen += tl.sum(mine, axis=0)
+        filled_ends = starts + counts
+        real = e < num_experts
+        for start in range(0, length, ROWS):
+            slot = start + r
+            run = (slot[:, None] >= starts[None, :]) & (slot[:, None] < ends[None, :]) & real[None, :]
+            holds_pair = tl.sum((run & (slot[:, None] < filled_ends[None, :])).to(tl.int32), axis=1) > 0
+            tl.store(sorted_pairs_ptr + slot, tl.full([ROWS], 0, tl.int64) + num_pairs,
+                     mask=(slot < length) & ~holds_pair)
+        for start in range(0, length // BLOCK_M, ROWS):
+            block = start + r
+            # A block's expert: the runs that end at or before its first slot (searchsorted, right).
+            first = block * BLOCK_M
+            expert_of = tl.sum(((ends[None, :] <= first[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            tl.store(expert_of_block_ptr + block, expert_of.to(tl.int64), mask=first < length)
+
+
 def block_config(num_pairs: int, num_experts: int) -> dict:
     """The tile sizes for T*k = num_pairs routed pairs over num_experts experts."""
     return LONG_RUN_CONFIG if num_pairs >= _LONG_RUN_PAIRS * num_experts else SHORT_RUN_CONFIG
@@ -108,6 +159,29 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int,
     block_starts = torch.arange(0, length, block_m, device=experts.device)
     expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True)
     return sorted_pairs, expert_of_block
+
+
+def align_pairs_in_one_program(topk_ids: torch.Tensor, num_experts: int,
+                               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_pairs_by_expert's result from one Triton program, for topk_ids on a GPU (or in
+    Triton's interpreter): the same tensors, element for element."""
+    require_triton("align_pairs_in_one_program")
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    length = padded_length(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(length, dtype=torch.int64, device=ids.device)
+    expert_of_block = torch.empty(length // block_m, dtype=torch.int64, device=ids.device)
+    experts_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](ids, sorted_pairs, expert_of_block, num_pairs, num_experts, length,
+                        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, ROWS=max(16, _ALIGN_TILE // experts_pad),
+                        **pdl_options(ids.device))
+    return sorted_pairs, expert_of_block
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if topk_ids.numel() <= _ONE_PROGRAM_PAIRS:
+        return align_pairs_in_one_program(topk_ids, num_experts, block_m)
+    return align_pairs_by_expert(topk_ids, num_experts, block_m)
 
 
 def _grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
@@ -160,7 +234,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
         return torch.zeros_like(x)
     num_pairs = tokens * choices
     config = block_config(num_pairs, experts)
-    sorted_pairs, expert_of_block = align_pairs_by_expert(topk_ids, experts, config["BLOCK_M"])
+    sorted_pairs, expert_of_block = _align(topk_ids, experts, config["BLOCK_M"])
     gate_up_out = torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, gate_up_out, sorted_pairs, expert_of_block, choices, config)
     down_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
