@@ -78,7 +78,6 @@ if triton is not None:
         out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
 
-
     @triton.jit
     def _align_kernel(ids_ptr, sorted_pairs_ptr, expert_of_block_ptr, num_pairs, num_experts, length,
                       BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
