@@ -10,9 +10,9 @@ of 16, strides divisible by 16), disassembles it with Triton's cuobjdump, and re
 kv.dtype and tiling (the small batches' and the large ones'): the registers, the spilled bytes,
 each loop's instructions per iteration, and the warp instructions per K/V byte of the main loop
 (the tile's bytes over its instructions times its warps). The same for the MLA latent kernel
-(shared/kernels/mla_decode_triton.py) at DeepSeek-V2-Lite's shape, per page format. The figures
-are the compiler's, not timings: the same Triton version as the GPU's must be installed for them
-to describe what runs there.
+(shared/kernels/mla_decode_triton.py) at DeepSeek-V2-Lite's shape, per page format, and for its
+separate merge (split_merge_triton.merge_splits). The figures are the compiler's, not timings: the
+same Triton version as the GPU's must be installed for them to describe what runs there.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from shared.kernels.paged_attention_triton import (
     Tiling,
     _paged_decode_split_kernel,
 )
+from shared.kernels.split_merge_triton import _SPLITS_PER_LOAD, _merge_kernel
 
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
             "l_ptr", "acc_ptr", "out_ptr", "counters_ptr")
@@ -120,6 +121,22 @@ def count_latent(kv_type: str, workdir: Path) -> dict:
             **summary(sass, usage, tiling.num_warps, tile_bytes)}
 
 
+def count_merge(workdir: Path) -> dict:
+    """The latent kernel's separate merge (shared/kernels/split_merge_triton.merge_splits) at
+    DeepSeek-V2-Lite's latent width, launched with 4 warps as merge_splits launches it."""
+    kernel = _merge_kernel
+    types = {name: "i32" for name in kernel.arg_names}
+    types.update(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32")
+    constants = {"WIDTH": LATENT_RANK, "CHUNK": _MERGE_COLUMNS, "BLOCK_N": latent_tiling(LATENT_HEADS).block_n,
+                 "SPLITS_PER_LOAD": _SPLITS_PER_LOAD, "USE_PDL": True}
+    sass, usage = compile_sass(kernel, types, constants, ("m_ptr", "l_ptr", "acc_ptr", "out_ptr", "seq_lens_ptr",
+                                                          "stride_ob", "stride_oh", "num_heads"),
+                               4, 3, workdir / "latent_merge.cubin")
+    loops = loop_sizes(sass)
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)), "loop_instructions": loops}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.engine.count_attention_sass")
     parser.add_argument("--workdir", default="/tmp/pdserve_attention_sass")
@@ -130,7 +147,8 @@ def main() -> None:
     rows = [count(mode, kv_type, tiling, workdir) for mode, kv_type in CASES
             for tiling in dict.fromkeys((DEFAULT_TILING[mode], LARGE_BATCH_TILING[mode]))]
     latent = [count_latent(kv_type, workdir) for kv_type in ELEMENT_BYTES]
-    emit({"triton": triton.__version__, "target": "sm_90", "kernels": rows, "latent_kernels": latent}, args.out)
+    emit({"triton": triton.__version__, "target": "sm_90", "kernels": rows, "latent_kernels": latent,
+          "latent_merge_kernel": count_merge(workdir)}, args.out)
 
 
 if __name__ == "__main__":
