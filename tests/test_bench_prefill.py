@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from loadtest.engine import bench_prefill
+from loadtest.lib import kernel_profile
 from shared.kv.pool import allocate_local_pool
 from shared.model.llama import load_paged_llama
 
@@ -28,8 +29,9 @@ def test_chunks_cover_the_prompt_once():
 
 
 def test_kernel_kinds():
-    assert bench_prefill.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
-    assert bench_prefill.kernel_kind("_merge_kernel") == "attention"
-    assert bench_prefill.kernel_kind("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
-    assert bench_prefill.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
-    assert bench_prefill.kernel_kind("_rope_write_kv_kernel") == "other"
+    assert kernel_profile.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert kernel_profile.kernel_kind("_merge_kernel") == "attention"
+    assert kernel_profile.kernel_kind("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_profile.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    assert kernel_profile.kernel_kind("_gemv_kernel") == "matmul"
+    assert kernel_profile.kernel_kind("_rope_write_kv_kernel") == "other"

@@ -14,7 +14,9 @@ Decode steps run as the decode worker runs them: one CUDA graph replay per step
 Triton kernels launched with programmatic dependent launch (shared/kernels/triton_support.py); some
 batches are timed again without it, with cuBLAS for every matmul and with the GEMV for every one.
 A step is timed alone (p50 of 100, the host's launch included, as a decode that waits for each
-step's tokens sees it) and ten at a time queued back to back (the device's time per step).
+step's tokens sees it) and ten at a time queued back to back (the device's time per step). Ten
+steps and each prefill up to 64K tokens are then profiled: device time by kind of kernel and the
+busiest kernels (loadtest/lib/kernel_profile.py), where a step spends what it takes over its floor.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from loadtest.lib.decode_batch import decode_batch
 from loadtest.lib.device_rates import GIB, copy_bandwidth_gbs, cuda_time_ms, matmul_tflops
+from loadtest.lib.kernel_profile import kernel_breakdown
 from loadtest.lib.model_costs import kv_token_bytes, prefill_flops, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit, save
@@ -90,7 +93,8 @@ def bench_decode(model: PagedLlama, batches: list[int], contexts: list[int], ban
                             "ratio_to_floor": graph_ms / floor_ms, "tokens_per_s": batch / (graph_ms / 1e3),
                             "queued_ms_per_step": queued_ms, "queued_ratio_to_floor": queued_ms / floor_ms,
                             "all_matmuls_on_gemv": batch in model.linears.gemv_rows,
-                            "capture_timings": graphs.matmul_timings.get(batch)})
+                            "capture_timings": graphs.matmul_timings.get(batch),
+                            "kernels": kernel_breakdown(lambda: graphs.step(inputs), calls=_QUEUED_STEPS)})
             for request in batched.requests:
                 allocator.free(request.pages)
     skipped = [{"batch": b, "context": c, "kv_gib": b * c * kv_per_token / GIB}
@@ -137,7 +141,8 @@ def bench_prefill(model: PagedLlama, lengths: list[int], tflops: float, chunk: i
         prompt_ms = quantile(times, 0.5)
         achieved = prefill_flops(model, length) / (prompt_ms / 1e3) / 1e12
         results.append({"tokens": length, "ms_p50": prompt_ms, "tflops": achieved,
-                        "fraction_of_matmul_rate": achieved / tflops, "chunk_tokens": chunk})
+                        "fraction_of_matmul_rate": achieved / tflops, "chunk_tokens": chunk}
+                       | ({} if long else {"kernels": kernel_breakdown(lambda: model.prefill(ids, pool, pages, chunk))}))
     return results
 
 

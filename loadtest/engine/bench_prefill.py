@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
 from loadtest.lib.device_rates import GIB, cuda_time_ms, matmul_tflops
+from loadtest.lib.kernel_profile import issue_and_wall_ms, kernel_breakdown
 from loadtest.lib.model_costs import attention_flops, linear_flops, prefill_flops
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
@@ -48,8 +47,6 @@ from shared.model.llama import PagedLlama
 
 PAGE_SIZE = 16
 TARGET_8K_MS = 190.0
-ATTENTION_KERNELS = ("sdpa", "fmha", "flash", "attention", "merge")
-MATMUL_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
 
 
 @torch.inference_mode()
@@ -146,43 +143,6 @@ def attention_alone(model: PagedLlama, tokens: int, chunk: int, prefill_ms: floa
     tflops = attention_flops(model, tokens) / (total_ms / 1e3) / 1e12
     return {"ms": total_ms, "share_of_prefill": total_ms / prefill_ms, "tflops": tflops,
             "fraction_of_matmul_rate": tflops / rate}
-
-
-def issue_and_wall_ms(fn) -> dict:
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return {"issue_ms": (issued - started) * 1e3, "wall_ms": (time.perf_counter() - started) * 1e3}
-
-
-def kernel_breakdown(fn) -> dict:
-    """Device time by kind of kernel over one call, read by torch.profiler, and the device's idle
-    time within the call's wall time; an error is reported rather than raised (profiling is an extra)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            wall = issue_and_wall_ms(fn)["wall_ms"]
-        kernels = [(getattr(e, "self_device_time_total", 0.0) / 1e3, e.key) for e in prof.key_averages()]
-    except Exception as exc:  # noqa: BLE001 - the profiler's failures vary by build
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    by_kind = defaultdict(float)
-    for ms, name in kernels:
-        by_kind[kernel_kind(name)] += ms
-    busy = sum(by_kind.values())
-    top = sorted(((ms, name) for ms, name in kernels if ms > 0), reverse=True)[:15]
-    return {"wall_ms": wall, "device_busy_ms": busy, "device_idle_ms": wall - busy,
-            "ms_by_kind": dict(by_kind), "busiest": [{"ms": ms, "kernel": name[:160]} for ms, name in top]}
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    if any(word in lowered for word in ATTENTION_KERNELS):
-        return "attention"
-    return "matmul" if any(word in lowered for word in MATMUL_KERNELS) else "other"
 
 
 def logits_difference(logits: torch.Tensor, baseline: torch.Tensor) -> dict:
