@@ -81,8 +81,8 @@ def test_the_gpu_paths_fused_kernels_match_transformers(folders, references, pro
 def test_routing_renormalized_the_other_way_fails(variant, folders, references, prompt, monkeypatch):
     """The comparison above is tight enough to see the routing: flipping the renormalization fails it."""
     route = moe.route
-    monkeypatch.setattr(moe, "route", lambda logits, routing, bias: route(
-        logits, dataclasses.replace(routing, renormalize=not routing.renormalize), bias))
+    monkeypatch.setattr(moe, "route", lambda logits, routing, *rest: route(
+        logits, dataclasses.replace(routing, renormalize=not routing.renormalize), *rest))
     model = load_paged_llama(folders[variant], "float32", "cpu")
     with pytest.raises(AssertionError):
         assert_matches_transformers(greedy_logits(model, prompt, pool_for(model)), references[variant], prompt)

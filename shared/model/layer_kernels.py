@@ -20,11 +20,13 @@ class Kernels:
     rms_norm: Callable[..., torch.Tensor] = rms_norm        # (x, weight, eps)
     rope: Callable[..., torch.Tensor] = apply_rope          # (x, cos, sin, positions): rotated, x's own memory or new
     silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul  # (gate_up) -> silu(gate) * up
+    moe_routing_kernel: bool = False  # a MoE router's choice in one Triton launch (moe_routing_triton)
 
 
 PYTORCH = Kernels()
 
 
 def fused(linear: Callable[..., torch.Tensor] = F.linear) -> Kernels:
-    """The GPU's: Triton's fused RMSNorm, in-place RoPE and SiLU, with `linear` for the products."""
-    return Kernels(linear, fused_triton.rms_norm, fused_triton.rope_in_place, fused_triton.silu_and_mul)
+    """The GPU's: Triton's fused RMSNorm, in-place RoPE, SiLU and MoE routing, with `linear` for the products."""
+    return Kernels(linear, fused_triton.rms_norm, fused_triton.rope_in_place, fused_triton.silu_and_mul,
+                   moe_routing_kernel=True)

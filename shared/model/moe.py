@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import fused_moe_triton
+from shared.kernels import fused_moe_triton, moe_routing_triton
 from shared.model.layer_kernels import PYTORCH, Kernels
 from shared.model.loader import UnsupportedModel
 
@@ -102,9 +102,16 @@ class Routing:
                    top_groups=config.topk_group, group_score="top2", renormalize_epsilon=1e-20, **common)
 
 
-def route(router_logits: torch.Tensor, routing: Routing,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> the top_k experts' weights (float32, rounded through weights_dtype) and ids, [T, k]."""
+def route(router_logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None,
+          in_one_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> the top_k experts' weights (float32, rounded through weights_dtype) and ids, [T, k]:
+    in PyTorch ops, or with in_one_kernel (the GPU's) in one Triton launch that computes the same."""
+    if in_one_kernel and moe_routing_triton.supports(router_logits.shape[1], routing.groups):
+        return moe_routing_triton.route(
+            router_logits, routing.top_k, scoring=routing.scoring, correction_bias=correction_bias,
+            groups=routing.groups, top_groups=routing.top_groups, group_score=routing.group_score,
+            renormalize=routing.renormalize, renormalize_epsilon=routing.renormalize_epsilon,
+            scaling=routing.scaling, weights_dtype=routing.weights_dtype)
     if routing.scoring == "sigmoid":
         scores = router_logits.float().sigmoid()
     else:
@@ -141,9 +148,9 @@ def _within_best_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
 def moe_forward(x: torch.Tensor, moe: MoeWeights, routing: Routing, kernels: Kernels = PYTORCH) -> torch.Tensor:
     """[T, H] (the post-attention RMSNorm's output) -> the experts' weighted sum [T, H] in x's dtype,
     plus the shared experts' output where the layer has them: the fused Triton kernel on a GPU, its
-    plain PyTorch reference on the CPU. kernels: the shared experts' products and SiLU."""
+    plain PyTorch reference on the CPU. kernels: the routing, the shared experts' products and SiLU."""
     logits = F.linear(x.float(), moe.router.float()) if routing.fp32_logits else F.linear(x, moe.router)
-    weights, ids = route(logits, routing, moe.correction_bias)
+    weights, ids = route(logits, routing, moe.correction_bias, kernels.moe_routing_kernel)
     experts = fused_moe_triton.fused_moe if x.is_cuda else fused_moe_triton.moe_reference
     out = experts(x, moe.gate_up, moe.down, weights, ids)
     if moe.shared_gate_up is None:
