@@ -277,7 +277,7 @@ class PagedLlama:
         (shared/model/mla.py) -> [B, heads * v]."""
         mla = self.mla
         q_nope, q_rope = mla.queries(layer.mla, normed, positions, kernels)
-        pool.write_latent(index, pages, offsets, mla.latents(layer.mla, normed, positions, kernels))
+        mla.write_latents(layer.mla, normed, positions, pool, index, pages, offsets, kernels)
         out = decode_attention(mla.absorb(layer.mla, q_nope), q_rope, pool, index, page_table, seq_lens, self.scale)
         return mla.unabsorb(layer.mla, out)
 

@@ -158,6 +158,15 @@ class Mla:
         k_rope = kernels.rope(k_rope[:, None], self.cos, self.sin, positions)[:, 0]
         return torch.cat([kernels.rms_norm(c, w.kv_a_norm, self.eps), k_rope], dim=-1)[:, None]
 
+    def write_latents(self, w: MlaWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool, layer: int,
+                      pages: torch.Tensor, offsets: torch.Tensor, kernels: Kernels = PYTORCH) -> None:
+        """x [T, hidden] -> each token's latent (as `latents` computes it) into its slot of layer's pages."""
+        if kernels.write_latent is None:
+            pool.write_latent(layer, pages, offsets, self.latents(w, x, positions, kernels))
+            return
+        kernels.write_latent(kernels.linear(x, w.kv_a, w.kv_a_bias), w.kv_a_norm, self.eps, self.cos, self.sin,
+                             positions, pool.latent(layer), pages, offsets, pool.latent_scale(layer))
+
     def expand(self, w: MlaWeights, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [S, 1, rank + rope] -> every head's keys [S, H, nope + rope] and values [S, H, v]."""
         s = self.shape
