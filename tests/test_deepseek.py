@@ -90,10 +90,12 @@ def test_prefill_and_decode_match_transformers(variant, folders, references, pro
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton interprets CPU tensors only without CUDA")
 @pytest.mark.parametrize("variant", ["v3", "v2_lite"])
-def test_the_gpu_decode_step_matches_transformers(variant, folders, references, prompt):
-    """The GPU's step (the fused norms and residual adds, the chosen matmuls for q, the latent, o_proj
-    and the shared experts; the Triton kernels interpreted here) over the same latent pages."""
+def test_the_gpu_prefill_and_decode_step_match_transformers(variant, folders, references, prompt):
+    """The GPU's prefill and step (the fused norms and residual adds, RoPE, the latent write, the
+    routing, the chosen matmuls for q, the latent, o_proj and the shared experts; the Triton kernels
+    interpreted here) over the same latent pages."""
     model = load_paged_llama(folders[variant], "float32", "cpu")
+    model.fused_prefill = True
     logits = greedy_logits(model, prompt, pool_for(model), fused_decode(model))
     assert_matches_transformers(logits, references[variant], prompt)
 

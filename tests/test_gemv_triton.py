@@ -300,14 +300,15 @@ def test_small_model_shapes_bf16_cuda(shape, rows):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+@pytest.mark.parametrize("config", MULTIPLY_ADD + TENSOR_CORES, ids=config_id)
 def test_every_config_bf16_cuda(config):
     rows = 1 if config.kwargs["BLOCK_M"] == 1 else 5
     x, weight = operands(rows, 4096, 14336, torch.bfloat16, "cuda")
     check(gemv(x, weight, config), x, weight, BF16_TOL)
 
 
-FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"]]
+# Weight-only (W8A16) configs; the W8A8 ones quantize the rows: test_w8a8_configs_at_the_8b_shape_cuda.
+FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
 
 
 @pytest.mark.gpu
@@ -319,6 +320,15 @@ def test_every_config_fp8_weight_cuda(config, rows, dtype):
     x, weight, scale, dequantized = fp8_operands(rows, *LLAMA_8B["o_proj"], dtype, "cuda")
     assert gemv_triton.supports(x, weight, scale)
     check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
+def test_w8a8_configs_at_the_8b_shape_cuda(config, rows):
+    """bf16 rows past MAX_ROWS: fp8_linear's numbers (the rows quantized, torch._scaled_mm)."""
+    x, weight, scale, _ = fp8_operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
+    torch.testing.assert_close(gemv(x, weight, config, weight_scale=scale), fp8_linear(x, weight, scale), **BF16_TOL)
 
 
 @pytest.mark.gpu

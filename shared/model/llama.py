@@ -181,17 +181,22 @@ class PagedLlama:
                          positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
                          staged: PromptKv) -> None:
         """An MLA layer over a chunk: its latents to the pages, expanded into keys and values for the
-        prompt's attention (shared/model/mla.py)."""
+        prompt's attention (shared/model/mla.py); with fused_prefill the GPU's Triton kernels between
+        the matmuls, as in _layer_chunk_fused."""
         end, mla = begin + len(x), self.mla
-        normed = self._rms_norm(x, layer.input_norm)
-        q_nope, q_rope = mla.queries(layer.mla, normed, positions)
-        latent = mla.latents(layer.mla, normed, positions)
+        kernels = layer_kernels.fused() if self.fused_prefill else PYTORCH
+        normed = kernels.rms_norm(x, layer.input_norm, self.eps)
+        q_nope, q_rope = mla.queries(layer.mla, normed, positions, kernels)
+        latent = mla.latents(layer.mla, normed, positions, kernels)
         pool.write_latent(index, *slots, latent)
         staged.write(begin, *mla.expand(layer.mla, latent))
         out = attention.prefill_attention(torch.cat([q_nope, q_rope], dim=-1), staged.k[:end], staged.v[:end],
                                           self.scale)
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
-        x.copy_(self._mlp_block(layer, x + attn))
+        if self.fused_prefill:
+            self._mlp_block_fused(layer, attn, x)
+        else:
+            x.copy_(self._mlp_block(layer, x + attn))
 
     def _layer_chunk(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int, positions: torch.Tensor,
                      slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool, staged: PromptKv) -> None:
@@ -216,6 +221,11 @@ class PagedLlama:
         staged.v[begin:end] = v
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale, self.windows[index])
         attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
+        self._mlp_block_fused(layer, attn, x)
+
+    def _mlp_block_fused(self, layer: LayerWeights, attn: torch.Tensor, x: torch.Tensor) -> None:
+        """x += attn, then x += the MLP of its post-attention norm, x overwritten: the residual add
+        and the norm in one Triton kernel, SiLU with the gate product in another."""
         hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         if layer.moe is not None:
             mlp = self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused()))
