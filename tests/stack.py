@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 import urllib.request
 
-from services.stack.local import SERVICES, LocalStack, free_port
+from services.stack.local import SERVICES, LocalStack
+from services.stack.ports import free_port
 from services.stack.supervisor import REPO
 
 __all__ = ["REPO", "SERVICES", "ServiceStack", "free_port"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from services.stack.ports import free_port
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import ROLES, WorkerPlan, plan_workers
 from shared.config import env_name, load_config
@@ -36,12 +36,6 @@ from shared.runtime.runtime_dir import prepare_runtime_dir
 
 SERVICES = ("router", "prefill", "decode")
 SHM_CLEANUP_S = 5.0  # a killed worker's segment is unlinked by its resource tracker, a moment later
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _admin_token_file(runtime_dir: Path) -> Path:
