@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from loadtest.engine import bench_moe_configs
 from shared.kernels import fused_moe_triton
 from shared.kernels.fused_moe_triton import (
     LONG_RUN_CONFIG,
@@ -27,6 +28,7 @@ from shared.kernels.fused_moe_triton import (
     align_pairs_in_one_program,
     block_config,
     fused_moe,
+    grouped_gemm,
     moe_reference,
     padded_length,
 )
@@ -212,3 +214,30 @@ def test_cuda_graph_replays_new_routing_cuda():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, moe_reference(x, gate_up, down, topk_weights, topk_ids), **TOL[torch.bfloat16])
+
+
+SWEPT_TILES = bench_moe_configs.grid([4], [3, 4, 5] if COMPILED_CUDA else [3])
+
+
+@pytest.mark.parametrize("config", SWEPT_TILES, ids=lambda c: "n{BLOCK_N}k{BLOCK_K}s{num_stages}".format(**c))
+def test_every_config_the_sweep_tries_computes_each_pairs_product(config):
+    """Whatever loadtest/engine/bench_moe_configs.py ships, both GEMMs stay exact: widths that are
+    not multiples of the tiles (K 160 and 96, N 192 and 160), a routing weight on the down's rows."""
+    experts, choices, tokens, hidden, inter = 8, 2, 5, 160, 96
+    dtype = torch.bfloat16 if COMPILED_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(2)
+    gate_up, down = weights(experts, hidden, inter, dtype, DEVICE, seed=2)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    h = torch.randn(tokens * choices, inter, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.rand(tokens, experts, generator=gen).topk(choices, dim=1).indices.to(DEVICE)
+    pair_weights = torch.rand(tokens * choices, generator=gen).to(DEVICE)
+    sorted_pairs, expert_of_block = align_pairs_by_expert(ids, experts, config["BLOCK_M"])
+    expert, token = ids.reshape(-1), torch.arange(tokens, device=DEVICE).repeat_interleave(choices)
+    gate_up_out = torch.empty(tokens * choices, 2 * inter, dtype=dtype, device=DEVICE)
+    grouped_gemm(x, gate_up, gate_up_out, sorted_pairs, expert_of_block, choices, config)
+    expected = torch.einsum("pk,pnk->pn", x[token].float(), gate_up[expert].float())
+    torch.testing.assert_close(gate_up_out.float(), expected, **TOL[dtype])
+    down_out = torch.empty(tokens * choices, hidden, dtype=dtype, device=DEVICE)
+    grouped_gemm(h, down, down_out, sorted_pairs, expert_of_block, 1, config, pair_weights=pair_weights)
+    expected = torch.einsum("pk,pnk->pn", h.float(), down[expert].float()) * pair_weights[:, None]
+    torch.testing.assert_close(down_out.float(), expected, **TOL[dtype])

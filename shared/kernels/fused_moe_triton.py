@@ -27,14 +27,13 @@ from shared.kernels.triton_support import pdl_options, require_triton, tl, trito
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Decode: runs of a few pairs per expert, so 16-row blocks pad least; 64 columns a program gives
-# the SMs more programs while each streams its expert's weight once.
-SHORT_RUN_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+# the SMs more programs while each streams its expert's weight once. Not yet swept on a GPU:
+# loadtest/engine/bench_moe_configs.py is the sweep that is to choose it.
+SHORT_RUN_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 # Prefill: long runs fill 64-row blocks, and wider tiles read each weight tile for more rows.
-LONG_RUN_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}
+LONG_RUN_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 # From this many pairs per expert on average, a 64-row block is at least half full.
 _LONG_RUN_PAIRS = 32
-_NUM_WARPS = 4
-_NUM_STAGES = 3
 # Up to this many pairs the alignment is one program (a decode step's: 6 choices x 256 rows at
 # most is 1,536); more, a prefill's, go through PyTorch's sort, whose kernels spread over the GPU.
 _ONE_PROGRAM_PAIRS = 2048
@@ -183,9 +182,12 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     return align_pairs_by_expert(topk_ids, num_experts, block_m)
 
 
-def _grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
-                  expert_of_block: torch.Tensor, pairs_per_a_row: int, config: dict,
-                  pair_weights: torch.Tensor | None = None) -> None:
+def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                 expert_of_block: torch.Tensor, pairs_per_a_row: int, config: dict,
+                 pair_weights: torch.Tensor | None = None) -> None:
+    """out[pair] = a[pair // pairs_per_a_row] @ weights[expert of pair].T (times pair_weights[pair]
+    if given) for the pairs as align_pairs_by_expert sorts them into config's BLOCK_M blocks; config:
+    the tile sizes, num_warps and num_stages (SHORT_RUN_CONFIG's keys)."""
     num_experts, n, k = weights.shape
     grid = (expert_of_block.numel(), triton.cdiv(n, config["BLOCK_N"]))
     # tf32 would round fp32 inputs to 10 mantissa bits; for 16-bit inputs the precision is moot.
@@ -194,8 +196,7 @@ def _grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sor
         a, weights, out, sorted_pairs, expert_of_block, pair_weights,
         out.shape[0], num_experts, n, k, pairs_per_a_row,
         a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        MUL_PAIR_WEIGHT=pair_weights is not None, DOT_PRECISION=precision, **config,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **pdl_options(a.device),
+        MUL_PAIR_WEIGHT=pair_weights is not None, DOT_PRECISION=precision, **config, **pdl_options(a.device),
     )
 
 
@@ -235,9 +236,9 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     config = block_config(num_pairs, experts)
     sorted_pairs, expert_of_block = _align(topk_ids, experts, config["BLOCK_M"])
     gate_up_out = torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, gate_up_out, sorted_pairs, expert_of_block, choices, config)
+    grouped_gemm(x, gate_up, gate_up_out, sorted_pairs, expert_of_block, choices, config)
     down_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(silu_and_mul(gate_up_out), down, down_out, sorted_pairs, expert_of_block, 1, config,
+    grouped_gemm(silu_and_mul(gate_up_out), down, down_out, sorted_pairs, expert_of_block, 1, config,
                   pair_weights=topk_weights.reshape(-1).contiguous())
     return down_out.view(tokens, choices, hidden).sum(dim=1)
 
