@@ -100,23 +100,21 @@ class HostileClient:
                 sock.close()
 
     def _unread_stream(self) -> str:
-        """A stream whose client stops reading after its first chunk: a window of 1 KiB, never grown.
-        The router cancels it after router.stall_timeout_s, whose status the client reads once it
-        reads at last. The clock starts at the first chunk: on a loaded machine a request may wait
-        longer than that timeout before its first token, and a stream with nothing to send does not
-        stall (a CI run read such a request late, and it then ran past its deadline among kills)."""
+        """A stream whose client reads a chunk, then nothing for longer than router.stall_timeout_s,
+        again and again: a window of 1 KiB, never grown. The router cancels it once a write has
+        waited that long, and the client reads the status after the chunks its window held. Tokens
+        may stop coming for a while (on a loaded machine, or while the request moves from a killed
+        decode), and a stream with nothing to send does not stall: so the client pauses after every
+        chunk, not only after its first (a CI run read on after one pause that met such a gap, and
+        its 400 tokens ran past the deadline)."""
         options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
         request = generation_pb2.GenerateRequest(prompt="Tell me a long story.", max_tokens=400, ignore_eos=True,
                                                  temperature=0, request_id=UNREAD_LABEL)
         with grpc.insecure_channel(self.grpc_address, options=options) as channel:
             call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=TIMEOUT_S * 3)
             try:
-                next(call)
-                time.sleep(self.config.router.stall_timeout_s + 2)
                 for _ in call:
-                    pass
+                    time.sleep(self.config.router.stall_timeout_s + 2)
             except grpc.RpcError as error:
                 return error.code().name
-            except StopIteration:  # ended within its first chunk
-                pass
         return "served"
