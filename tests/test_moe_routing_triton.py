@@ -57,6 +57,7 @@ def test_the_kernel_chooses_the_experts_pytorch_chooses(name, tokens):
     torch.testing.assert_close(weights.sort(dim=1).values, expected_weights.sort(dim=1).values,
                                rtol=tolerance, atol=0)
 
+
 def test_the_grouped_choice_differs_from_the_greedy_one():
     """The groups do constrain the choice here: without them other experts win."""
     experts, routing = ROUTINGS["deepseek_v3"]
