@@ -26,10 +26,11 @@ from shared.kernels.fused_triton import silu_and_mul
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Decode: runs of a few pairs per expert, so 16-row blocks pad least; 64 columns a program gives
-# the SMs more programs while each streams its expert's weight once. Not yet swept on a GPU:
-# loadtest/engine/bench_moe_configs.py is the sweep that is to choose it.
-SHORT_RUN_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+# Decode: runs of a few pairs per expert, so 16-row blocks pad least. The tiles, warps and stages
+# were chosen by loadtest/engine/bench_moe_configs.py on an H100: 128-deep K tiles in 4 stages were
+# among the six fastest of 24 in 8 of its 12 cases, within 4% of the best there, where the
+# 64-deep tiles in 3 stages ran 2-10% slower (docs/BENCHMARKS.md).
+SHORT_RUN_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 # Prefill: long runs fill 64-row blocks, and wider tiles read each weight tile for more rows.
 LONG_RUN_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 # From this many pairs per expert on average, a 64-row block is at least half full.
