@@ -149,6 +149,16 @@ def test_the_last_split_merges_and_leaves_the_counters_at_zero():
         assert not split_counters(q.device, 6).any()
 
 
+@pytest.mark.parametrize("merge_here", [True, False], ids=["by-the-last-split", "by-a-launch"])
+def test_many_splits_merged_either_way(merge_here):
+    """Past _MERGE_HERE_SPLITS a launch of its own merges the splits: both ways give the same
+    output, with splits left empty by the short sequences."""
+    q, k_cache, v_cache, page_table, seq_lens = make_case([1000, 40, 333], 8, 2, 64, 16, torch.float32, DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.125, num_splits=20,
+                                 merge_here=merge_here)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, page_table, seq_lens, 0.125), atol=1e-4, rtol=1e-4)
+
+
 def test_default_num_splits():
     check([100, 1, 17], 4, 1, 64, num_splits=None)
 
@@ -277,9 +287,9 @@ def test_quantized_bf16_cuda_large(kv_dtype):
 
 @pytest.mark.gpu
 @compiled_gpu
-@pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3)],
-                         ids=str)
-@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3),
+                                    Tiling(64, 4, 2, True), Tiling(128, 4, 2, True)], ids=str)
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "e4m3"])
 def test_benchmarked_tilings_cuda(tiling, kv_dtype):
     """Every tiling loadtest/engine/bench_decode_attention.py times computes the same, compiled."""
     seq_lens = [4097, 1, 300, 2048]

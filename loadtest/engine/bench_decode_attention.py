@@ -7,7 +7,8 @@ query heads), all 32 in one CUDA graph, the median of 20 replays, beside its flo
 scales those calls read, at the copy bandwidth measured in the same run). The page table is as wide
 as the decode worker's (the model's context), so the split count is the one serving chooses. For
 each shape and kv.dtype: the kernel as shipped; each tiling of TILINGS and each split count of
-SPLITS in place of its own; the FP8-query mode on float8_e4m3 pages; and, with --baseline (a file
+SPLITS in place of its own; the splits merged by their last program and by a launch of their
+own; the FP8-query mode on float8_e4m3 pages; and, with --baseline (a file
 of an earlier shared/kernels/paged_attention_triton.py, loadtest/lib/baseline_attention.py), the
 earlier kernel on the same pages: the before and after of one run.
 """
@@ -32,7 +33,8 @@ LAYERS, KV_HEADS, HEADS, HEAD_DIM = 32, 8, 32, 128
 SHAPES = {"b32_8k": (32, 8192, 131072), "b16_8k": (16, 8192, 131072), "b8_8k": (8, 8192, 131072),
           "b1_1k": (1, 1024, 131072), "b1_512k": (1, 524224, 524288)}
 KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
-TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3))
+TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 4, 3), Tiling(128, 8, 2),
+           Tiling(32, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True))
 FP8_QUERY_TILINGS = (Tiling(64, 4, 2), Tiling(128, 8, 2))
 SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b1_1k": (4, 16), "b1_512k": (16, 64)}
 
@@ -63,9 +65,12 @@ def variants(shape: str, kv_dtype: str, baseline) -> dict:
     """name -> the kernel's call, as shipped and with one choice changed."""
     out = {"shipped": paged_decode_attention}
     for tiling in TILINGS:
-        out[f"tiling_{tiling.block_n}x{tiling.num_warps}w{tiling.num_stages}s"] = _with(tiling=tiling)
+        name = f"tiling_{tiling.block_n}x{tiling.num_warps}w{tiling.num_stages}s"
+        out[f"{name}_converted_on_load" if tiling.convert_on_load else name] = _with(tiling=tiling)
     for splits in SPLITS[shape]:
         out[f"splits_{splits}"] = _with(num_splits=splits)
+    for merge_here in (True, False):
+        out[f"merged_{'by_the_last_split' if merge_here else 'by_a_launch'}"] = _with(merge_here=merge_here)
     if kv_dtype == "float8_e4m3":
         for tiling in FP8_QUERY_TILINGS:
             out[f"fp8_query_{tiling.block_n}x{tiling.num_warps}w"] = _with(fp8_query=True, tiling=tiling)

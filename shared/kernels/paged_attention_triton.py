@@ -17,9 +17,10 @@ leaves most SMs idle for small batches with long contexts. The context of each s
 num_splits equal chunks (sized from that sequence's own seq_len, so short sequences in a batch do not
 pay for the longest one); program (b, kv_head, split) runs an online softmax over its chunk for all
 query heads of the kv group at once (each K/V tile is loaded once and used by the whole group via
-tl.dot) and writes fp32 partial (max, sum, unnormalised acc); the last of a (b, kv_head)'s programs
-to finish merges them for the group's heads (shared/kernels/split_merge_triton.py), and unsplit, a
-program writes its heads' output itself. num_splits depends only on shapes
+tl.dot) and writes fp32 partial (max, sum, unnormalised acc); up to _MERGE_HERE_SPLITS splits the
+last of a (b, kv_head)'s programs to finish merges them for the group's heads, past them a merge
+launch does (shared/kernels/split_merge_triton.py); unsplit, a program writes its heads' output
+itself. num_splits depends only on shapes
 (batch, KVH, page_table width) and the SM count, so the function never syncs with the device and
 can be captured in a CUDA graph: a graph's page table is as wide as its bucket's longest context.
 
@@ -48,14 +49,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kernels.split_merge_triton import finish_split, split_counters, split_range
+from shared.kernels.split_merge_triton import finish_split, merge_splits, split_counters, split_range
 from shared.kernels.triton_support import compiled, pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its partial write and the merge than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Bounds the merge's loop over the splits, which one program of each group runs.
+# Bounds the merge's loop over the splits.
 _MAX_AUTO_SPLITS = 64
+# The most splits whose partials the last program of a group merges; past them merge_splits does,
+# in a launch of its own. The last program reads the splits one after another: at batch 1 and 1K of
+# context (33 splits, 16 holding tokens) its merge took the 32 layers' attention from 0.21 ms to 0.36
+# on an H100, where a merge launch of its own reads 32 splits at once (docs/BENCHMARKS.md).
+_MERGE_HERE_SPLITS = 16
 # The window the kernel takes for none: longer than any int32 sequence.
 _NO_WINDOW = 2**31 - 1
 # Programs per SM the splits aim at: 2 hide one program's memory latency behind the other's.
@@ -70,10 +76,14 @@ _WGMMA_ROWS = 64
 
 @dataclass(frozen=True)
 class Tiling:
-    """Tokens per loop iteration and the program's warps and pipeline depth."""
+    """Tokens per loop iteration, the program's warps and pipeline depth, and where quantized
+    tiles become fp16: where Triton puts it, or on the tile as loaded (inline PTX, see _to_fp16),
+    which issues fewer instructions but ran the attention 1.1-1.2x slower on an H100 at batch 8
+    and 32 x 8K (docs/BENCHMARKS.md): Triton pipelines the loads of the tiles it converts itself."""
     block_n: int
     num_warps: int
     num_stages: int
+    convert_on_load: bool = False
 
 
 # The tiles by batch, measured on the H200 (docs/BENCHMARKS.md, decode attention per KV format): at
@@ -205,7 +215,7 @@ if triton is not None:
         num_heads, num_kv_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, INLINE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, INLINE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
@@ -268,7 +278,7 @@ if triton is not None:
                                   INLINE_PTX)
         finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * num_kv_heads + kvh, (b * num_heads + heads) * num_splits, split, num_splits,
-                     used, head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM, True)
+                     used, head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM, MERGE_HERE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,14 +351,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            num_splits: int | None = None, fp8_query: bool = False,
-                           tiling: Tiling | None = None, window: int = 0) -> torch.Tensor:
+                           tiling: Tiling | None = None, window: int = 0,
+                           merge_here: bool | None = None) -> torch.Tensor:
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
     fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
     tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it).
-    window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window)."""
+    window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window).
+    merge_here: split partials merged by the last program of their group (True) or by merge_splits'
+    launch (False); None: up to _MERGE_HERE_SPLITS splits here."""
     require_triton("paged_decode_attention")
     _check_layout(q, k_cache, v_cache, page_table, seq_lens)
     _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
@@ -365,6 +378,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = _choose_num_splits(batch, num_kv_heads, context, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if merge_here is None:
+        merge_here = num_splits <= _MERGE_HERE_SPLITS
 
     m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -386,9 +401,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(_WGMMA_ROWS, group_pad) if mode == "fp8_query" else group_pad,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1,
-        INLINE_PTX=compiled(q.device), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1, MERGE_HERE=merge_here,
+        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         **pdl_options(q.device),
     )
+    if num_splits > 1 and not merge_here:
+        merge_splits(m, l, acc, out, seq_lens, window or _NO_WINDOW, tiling.block_n, head_dim)
     return out
 
