@@ -19,8 +19,9 @@ Why the heads share tiles: every head reads the same latent, so a program takes 
 (the products' M) and each [BLOCK_N, R + Dr] tile of tokens it loads serves them all:
 scores [heads, BLOCK_N] = q_latent @ c^T + q_rope @ k_rope^T, then acc [heads, R] += p @ c, the same
 c tile in both products. A program per head would read the pages H times. Quantized values are
-converted exactly to fp16 on the tile as loaded, as the paged kernel's "fp16" mode converts them
-(every int8 and e4m3 value is an fp16 value), and their scales stay outside the products: each
+converted exactly to fp16 on the tile as loaded (every int8 and e4m3 value is an fp16 value), the
+paged kernel's convert_on_load, which that kernel measured slower than Triton's own placement; for
+the latent kernel neither is timed. Their scales stay outside the products: each
 token's scale multiplies its column of scores and its column of probabilities (divided by the
 split's largest scale, so the fp16 weights keep their precision), H * BLOCK_N multiplies a tile
 rather than BLOCK_N * (R + Dr).

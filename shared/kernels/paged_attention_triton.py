@@ -30,9 +30,9 @@ no masks (only a chunk's last tile does), each row's address is its page's base 
 computed once, and quantized pages (int8 or float8_e4m3fn values with a float32 scale per token and
 kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per value as possible:
 
-- "fp16" (the default for quantized pages): the values are converted exactly to fp16 on the tile
-  as loaded (every int8 and e4m3 value is an fp16 value; int8 by a byte permute under an fp16
-  exponent and one subtraction rather than the quarter-rate int-to-float instruction), q is rounded
+- "fp16" (the default for quantized pages): the values are converted exactly to fp16 (every int8
+  and e4m3 value is an fp16 value; int8 by an integer add under an fp16 exponent and one
+  subtraction rather than the quarter-rate int-to-float instruction), q is rounded
   to fp16 once with the softmax scale folded in, and the scales stay outside the products: each
   token's K scale multiplies its column of scores, its V scale its column of probabilities. The V
   scales are divided by their largest value in the chunk first, so the fp16 probabilities keep
@@ -59,8 +59,8 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_AUTO_SPLITS = 64
 # The most splits whose partials the last program of a group merges; past them merge_splits does,
 # in a launch of its own. The last program reads the splits one after another: at batch 1 and 1K of
-# context (33 splits, 16 holding tokens) its merge took the 32 layers' attention from 0.21 ms to 0.36
-# on an H100, where a merge launch of its own reads 32 splits at once (docs/BENCHMARKS.md).
+# context (33 splits, 16 holding tokens) the 32 layers' attention took 0.33 ms on an H100 merged so,
+# 0.23 ms merged by a launch, which reads 32 splits at once (docs/BENCHMARKS.md).
 _MERGE_HERE_SPLITS = 16
 # The window the kernel takes for none: longer than any int32 sequence.
 _NO_WINDOW = 2**31 - 1
@@ -78,8 +78,8 @@ _WGMMA_ROWS = 64
 class Tiling:
     """Tokens per loop iteration, the program's warps and pipeline depth, and where quantized
     tiles become fp16: where Triton puts it, or on the tile as loaded (inline PTX, see _to_fp16),
-    which issues fewer instructions but ran the attention 1.1-1.2x slower on an H100 at batch 8
-    and 32 x 8K (docs/BENCHMARKS.md): Triton pipelines the loads of the tiles it converts itself."""
+    which issues fewer instructions but ran the attention 1.06-1.16x slower on an H100 (batch 1 x 1K
+    to 32 x 8K, docs/BENCHMARKS.md): Triton pipelines the loads of the tiles it converts itself."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -110,8 +110,9 @@ if triton is not None:
         the products then read with ldmatrix. A pure conversion Triton sinks into the products'
         operand layout, where an 8-bit V tile is read byte by byte (the V operand runs along the
         tokens): 771 instructions per 64 int8 tokens against 516, 598 against 419 for e4m3
-        (loadtest/engine/count_attention_sass.py). The interpreter runs no assembly: there the
-        same numbers come from Triton's own operations."""
+        (loadtest/engine/count_attention_sass.py). Yet it ran slower (Tiling.convert_on_load says
+        why), so it is a choice. The interpreter runs no assembly: there the same numbers come
+        from Triton's own operations."""
         if MODE != 1:
             y = x
         elif x.dtype == tl.int8:
