@@ -21,7 +21,7 @@ from shared.model.mla import softmax_scale
 from shared.model.weights import LlamaWeights
 from tests.conftest import CACHE_DIR
 from tests.stack import ServiceStack, free_port
-from tests.test_kv_quant_e2e import check_cached_prefix, check_greedy_tokens
+from tests.test_kv_quant_e2e import Expected, check_cached_prefix, check_greedy_tokens
 from tests.test_metrics import scrape, value
 from tests.test_tensor_parallel_model import KV_DTYPES, LOGITS_ATOL, greedy_run, run_rank
 from tests.test_qwen3 import (PROMPT, assert_matches_transformers, check_served, checkpoint_stack, fused_decode,
@@ -224,7 +224,7 @@ def test_int8_latent_pages_through_the_stack(int8_stack, folders, tokenizer):
     """Alone, batched and after a cached prefix, the stack's greedy tokens are the in-process run's on
     int8 latent pages; the pool reports a byte a value plus a float32 scale per token and layer."""
     model = load_paged_llama(folders["v2_lite"], "float32", "cpu")
-    check_greedy_tokens(int8_stack, model, tokenizer, "int8")
+    check_greedy_tokens(int8_stack, Expected(model, tokenizer, "int8"), "int8")
     check_cached_prefix(int8_stack, model, tokenizer, "int8")
     decode = scrape(int8_stack.metrics_url("decode"))
     layers, latent = SHAPE["num_hidden_layers"], SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"]

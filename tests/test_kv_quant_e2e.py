@@ -93,6 +93,25 @@ class QuantizedReference:
         return tokens, logits
 
 
+class Expected:
+    """PROMPTS' greedy tokens and logits from the in-process run, and how far a summation in
+    another order (two threads) moves those logits: computed once a kv_dtype, for every test here."""
+
+    def __init__(self, model, tokenizer, kv_dtype: str):
+        reference = QuantizedReference(model, kv_dtype)
+        self.prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+        pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in self.prompts]
+        self.runs = [reference.greedy(ids, p) for ids, p in zip(self.prompts, pages)]
+        reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(self.prompts, pages)]
+        self.order_effect = max(float((a - b).abs().max())
+                                for (_, x), (_, y) in zip(self.runs, reordered) for a, b in zip(x, y))
+
+
+@pytest.fixture(scope="module")
+def expected(model, tokenizer, kv_dtype):
+    return Expected(model, tokenizer, kv_dtype)
+
+
 def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
     request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                              ignore_eos=True)
@@ -100,25 +119,19 @@ def _generate(stack, prompt: list[int]) -> tuple[list[int], int]:
     return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].usage.cached_prompt_tokens
 
 
-def test_greedy_tokens_equal_the_in_process_quantized_run(stack, model, tokenizer, kv_dtype):
-    check_greedy_tokens(stack, model, tokenizer, kv_dtype)
+def test_greedy_tokens_equal_the_in_process_quantized_run(stack, expected, kv_dtype):
+    check_greedy_tokens(stack, expected, kv_dtype)
 
 
-def check_greedy_tokens(stack, model, tokenizer, kv_dtype: str) -> None:
+def check_greedy_tokens(stack, expected: Expected, kv_dtype: str) -> None:
     """The stack's greedy tokens are the in-process run's on a pool of kv_dtype, alone and batched."""
-    reference = QuantizedReference(model, kv_dtype)
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in prompts]
-    expected = [reference.greedy(ids, p) for ids, p in zip(prompts, pages)]
-    for ids, (tokens, _) in zip(prompts, expected):
+    for ids, (tokens, _) in zip(expected.prompts, expected.runs):
         assert _generate(stack, ids)[0] == tokens, f"{kv_dtype} prompt of {len(ids)}"
-    reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(prompts, pages)]
-    order_effect = max(float((a - b).abs().max()) for (_, x), (_, y) in zip(expected, reordered) for a, b in zip(x, y))
-    with ThreadPoolExecutor(len(prompts)) as pool:  # batched together in the decode
-        for ids, (got, _), (tokens, logits) in zip(prompts, pool.map(lambda p: _generate(stack, p), prompts),
-                                                    expected):
+    with ThreadPoolExecutor(len(expected.prompts)) as pool:  # batched together in the decode
+        answers = pool.map(lambda p: _generate(stack, p), expected.prompts)
+        for ids, (got, _), (tokens, logits) in zip(expected.prompts, answers, expected.runs):
             assert_matches_reference(got, tokens, logits, f"{kv_dtype} concurrent prompt of {len(ids)}",
-                                     tie=2 * order_effect)
+                                     tie=2 * expected.order_effect)
 
 
 def test_a_worker_of_other_weights_is_refused(stack, kv_dtype, tmp_path):
@@ -163,7 +176,7 @@ def check_cached_prefix(stack, model, tokenizer, kv_dtype: str) -> None:
     assert got_second == expected_second[0], f"{kv_dtype} prompt after a cached prefix"
 
 
-def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(stack, model, tokenizer, kv_dtype):
+def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(stack, model, expected, kv_dtype):
     """Tensor parallelism with int8 pages (shared/worker/ranks.py): a prefill of 3 ranks, one KV head
     each, takes over from prefill-0 (last in this module: the stack's prefill is gone after it);
     decode-0 copies each rank's head and its scales into its own
@@ -171,12 +184,6 @@ def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(s
     tokens may part only where the reference's top two logits are closer than that effect allows."""
     if kv_dtype != "int8":
         pytest.skip("int8 is the quantized format the tensor-parallel check runs with; float8 pages move alike")
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    reference = QuantizedReference(model, kv_dtype)
-    pages = [list(range(pages_for(len(ids) + MAX_TOKENS, PAGE))) for ids in prompts]
-    expected = [reference.greedy(ids, p) for ids, p in zip(prompts, pages)]
-    reordered = [reference.greedy(ids, p, threads=2) for ids, p in zip(prompts, pages)]
-    order_effect = max(float((a - b).abs().max()) for (_, x), (_, y) in zip(expected, reordered) for a, b in zip(x, y))
     stack.start("prefill-1", {"PDSERVE_PREFILL_TENSOR_PARALLEL": "3"})
     stack.wait_registered({"prefill-1"})
     # Every rank's pools together: one byte per value and a float32 scale per token and KV head.
@@ -187,7 +194,7 @@ def test_a_prefill_of_three_ranks_hands_its_quantized_heads_to_a_decode_of_one(s
         assert value(scrape(stack.metrics_url(worker)), "kv_bytes_per_token", worker_id=worker, role=role) == int8_bytes
     stack.signal("prefill-0", signal.SIGTERM)
     assert stack.processes["prefill-0"].wait(timeout=120) == 0
-    for ids, (tokens, logits) in zip(prompts, expected):
+    for ids, (tokens, logits) in zip(expected.prompts, expected.runs):
         assert_matches_reference(_generate(stack, ids)[0], tokens, logits, f"TP 3 int8 prompt of {len(ids)}",
-                                 tie=2 * order_effect)
+                                 tie=2 * expected.order_effect)
     stack.assert_pools_drained()
