@@ -403,8 +403,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1, MERGE_HERE=merge_here,
-        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-        **pdl_options(q.device),
+        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages, **pdl_options(q.device),
     )
     if num_splits > 1 and not merge_here:
         merge_splits(m, l, acc, out, seq_lens, window or _NO_WINDOW, tiling.block_n, head_dim)
