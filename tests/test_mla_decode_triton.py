@@ -21,13 +21,13 @@ pytest.importorskip("triton")
 
 from shared.kernels import kv_quant
 from shared.kernels.mla_decode_triton import (
-    _MERGE_HERE_SPLITS,
     MlaTiling,
     auto_num_splits,
     default_tiling,
     mla_decode_attention,
     mla_decode_reference,
 )
+from shared.kernels.split_merge_triton import MERGE_HERE_SPLITS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RANK, ROPE = 64, 32
@@ -125,17 +125,17 @@ def test_num_splits(num_splits):
     check([100, 1, 333], 16, num_splits=num_splits, kv_dtype=torch.int8)
 
 
-@pytest.mark.parametrize("num_splits", [_MERGE_HERE_SPLITS + 1, 40, None],
+@pytest.mark.parametrize("num_splits", [MERGE_HERE_SPLITS + 1, 40, None],
                          ids=["first-merged-apart", "40-more-than-a-load", "default"])
 def test_many_splits_merged_by_a_launch_of_their_own(num_splits):
-    """Past _MERGE_HERE_SPLITS the partials go to merge_splits: a long sequence beside short ones
+    """Past MERGE_HERE_SPLITS the partials go to merge_splits: a long sequence beside short ones
     (most of their splits empty), 40 splits two loads of the merge's, and the default for a long
     context at batch 1, which lifts the paged kernel's cap of 64."""
     seq_lens = [5000, 1, 333]
     if num_splits is None:
         assert auto_num_splits(1, 1, 524288, 0, default_tiling(16), torch.device(DEVICE)) > 64
         seq_lens = [5000]
-        assert auto_num_splits(1, 1, 5000, 0, default_tiling(16), torch.device(DEVICE)) > _MERGE_HERE_SPLITS
+        assert auto_num_splits(1, 1, 5000, 0, default_tiling(16), torch.device(DEVICE)) > MERGE_HERE_SPLITS
     check(seq_lens, 16, num_splits=num_splits, kv_dtype=torch.int8)
 
 

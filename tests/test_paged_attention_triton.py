@@ -151,7 +151,7 @@ def test_the_last_split_merges_and_leaves_the_counters_at_zero():
 
 @pytest.mark.parametrize("merge_here", [True, False], ids=["by-the-last-split", "by-a-launch"])
 def test_many_splits_merged_either_way(merge_here):
-    """Past _MERGE_HERE_SPLITS a launch of its own merges the splits: both ways give the same
+    """Past MERGE_HERE_SPLITS a launch of its own merges the splits: both ways give the same
     output, with splits left empty by the short sequences."""
     q, k_cache, v_cache, page_table, seq_lens = make_case([1000, 40, 333], 8, 2, 64, 16, torch.float32, DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, 0.125, num_splits=20,
@@ -288,7 +288,7 @@ def test_quantized_bf16_cuda_large(kv_dtype):
 @pytest.mark.gpu
 @compiled_gpu
 @pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3),
-                                    Tiling(64, 4, 2, True), Tiling(128, 4, 2, True)], ids=str)
+                                    Tiling(128, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True)], ids=str)
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "e4m3"])
 def test_benchmarked_tilings_cuda(tiling, kv_dtype):
     """Every tiling loadtest/engine/bench_decode_attention.py times computes the same, compiled."""

@@ -23,12 +23,12 @@ from loadtest.lib.device_rates import copy_bandwidth_gbs, graphed_time_ms
 from loadtest.lib.report import emit, save
 from shared.kernels import kv_quant
 from shared.kernels.mla_decode_triton import (
-    _MERGE_HERE_SPLITS,
     MlaTiling,
     auto_num_splits,
     default_tiling,
     mla_decode_attention,
 )
+from shared.kernels.split_merge_triton import MERGE_HERE_SPLITS
 from shared.kv.pages import pages_for
 
 PAGE_SIZE = 16
@@ -65,7 +65,7 @@ def variants(batch: int, width: int, kv_dtype: str) -> dict:
     if kv_dtype != "bfloat16":
         out["bf16_products"] = {"products": "native"}  # quantized values converted to bf16, as at 1032f1b
     if shipped_splits > 1:
-        out["other_merge"] = {"num_splits": shipped_splits, "merge_here": shipped_splits > _MERGE_HERE_SPLITS}
+        out["other_merge"] = {"num_splits": shipped_splits, "merge_here": shipped_splits > MERGE_HERE_SPLITS}
     if shipped_splits > 64:
         out["capped_64_merged_by_last"] = {"num_splits": 64, "merge_here": True}
     for splits in SPLITS:

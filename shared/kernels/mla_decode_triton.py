@@ -36,7 +36,7 @@ CUDA graph can capture the call.
 Why a small batch's long context splits in up to a wave: at batch 1 the heads are one head block,
 so only the splits spread a sequence's latent over the SMs. Capped at the paged kernel's 64, one
 sequence at 524K read its 604 MB a layer with 64 programs on 132 SMs, at 4.9 times the step's
-floor (docs/BENCHMARKS.md). Past _MERGE_HERE_SPLITS, the partials (32 KB a split at 16 heads x
+floor (docs/BENCHMARKS.md). Past MERGE_HERE_SPLITS, the partials (32 KB a split at 16 heads x
 512) are merged by a launch of their own rather than by the last program alone.
 """
 
@@ -55,7 +55,13 @@ from shared.kernels.paged_attention_triton import (
     _num_sms,
     _to_fp16,
 )
-from shared.kernels.split_merge_triton import finish_split, merge_splits, split_counters, split_range
+from shared.kernels.split_merge_triton import (
+    MERGE_HERE_SPLITS,
+    finish_split,
+    merge_splits,
+    split_counters,
+    split_range,
+)
 from shared.kernels.triton_support import (
     compiled,
     pdl_options,
@@ -73,10 +79,6 @@ _MERGE_COLUMNS = 64
 # loaded (paged_attention_triton's "fp16" mode: bf16 took 1,624 instructions a 32-token iteration
 # for int8 pages and 1,595 for e4m3, twice the 817 of bf16 pages, docs/BENCHMARKS.md).
 _PRODUCTS = {"native": 0, "fp32": 1, "fp16": 2}
-# The most splits whose partials the last program merges alone: 16 x 16 heads x 512 x 4 bytes is
-# 512 KB for one SM, where a launch of its own takes a few microseconds. Chosen from the bytes, not
-# timed.
-_MERGE_HERE_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     [num_pages, page_size, 1]; returns [B, H, R] in q's dtype. page_table [B, max_pages] and seq_lens
     [B] are int32 on q's device, seq_lens >= 1. window > 0: only each sequence's last `window`
     tokens. num_splits=None picks it from the shapes; tiling=None, default_tiling's for H;
-    merge_here=None, the last split program's merge up to _MERGE_HERE_SPLITS splits, a launch of its
+    merge_here=None, the last split program's merge up to MERGE_HERE_SPLITS splits, a launch of its
     own past them; products=None, _products' choice of a _PRODUCTS key (benchmarks sweep all four)."""
     require_triton("mla_decode_attention")
     _check(q_latent, q_rope, cache, cache_scale, page_table, seq_lens)
@@ -242,7 +244,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     products = _PRODUCTS[products] if products else _products(q_latent, cache_scale is not None)
     scales = cache_scale if cache_scale is not None else cache  # unread when unquantized
     if merge_here is None:
-        merge_here = num_splits <= _MERGE_HERE_SPLITS
+        merge_here = num_splits <= MERGE_HERE_SPLITS
     _mla_split_kernel[(head_blocks, num_splits, batch)](
         q_latent, q_rope, cache, scales, page_table, seq_lens,
         m, l, acc, out, split_counters(device, batch * head_blocks),

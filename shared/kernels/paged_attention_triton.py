@@ -17,7 +17,7 @@ leaves most SMs idle for small batches with long contexts. The context of each s
 num_splits equal chunks (sized from that sequence's own seq_len, so short sequences in a batch do not
 pay for the longest one); program (b, kv_head, split) runs an online softmax over its chunk for all
 query heads of the kv group at once (each K/V tile is loaded once and used by the whole group via
-tl.dot) and writes fp32 partial (max, sum, unnormalised acc); up to _MERGE_HERE_SPLITS splits the
+tl.dot) and writes fp32 partial (max, sum, unnormalised acc); up to MERGE_HERE_SPLITS splits the
 last of a (b, kv_head)'s programs to finish merges them for the group's heads, past them a merge
 launch does (shared/kernels/split_merge_triton.py); unsplit, a program writes its heads' output
 itself. num_splits depends only on shapes
@@ -49,7 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kernels.split_merge_triton import finish_split, merge_splits, split_counters, split_range
+from shared.kernels.split_merge_triton import (
+    MERGE_HERE_SPLITS,
+    finish_split,
+    merge_splits,
+    split_counters,
+    split_range,
+)
 from shared.kernels.triton_support import compiled, pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
@@ -57,11 +63,6 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
 # Bounds the merge's loop over the splits.
 _MAX_AUTO_SPLITS = 64
-# The most splits whose partials the last program of a group merges; past them merge_splits does,
-# in a launch of its own. The last program reads the splits one after another: at batch 1 and 1K of
-# context (33 splits, 16 holding tokens) the 32 layers' attention took 0.33 ms on an H100 merged so,
-# 0.23 ms merged by a launch, which reads 32 splits at once (docs/BENCHMARKS.md).
-_MERGE_HERE_SPLITS = 16
 # The window the kernel takes for none: longer than any int32 sequence.
 _NO_WINDOW = 2**31 - 1
 # Programs per SM the splits aim at: 2 hide one program's memory latency behind the other's.
@@ -362,7 +363,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it).
     window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window).
     merge_here: split partials merged by the last program of their group (True) or by merge_splits'
-    launch (False); None: up to _MERGE_HERE_SPLITS splits here."""
+    launch (False); None: up to MERGE_HERE_SPLITS splits here."""
     require_triton("paged_decode_attention")
     _check_layout(q, k_cache, v_cache, page_table, seq_lens)
     _check_cache_dtypes(q, k_cache, v_cache, k_scale, v_scale)
@@ -380,7 +381,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if merge_here is None:
-        merge_here = num_splits <= _MERGE_HERE_SPLITS
+        merge_here = num_splits <= MERGE_HERE_SPLITS
 
     m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)

@@ -26,6 +26,12 @@ import torch
 from shared.kernels.triton_support import pdl_options, tl, triton, wait_for_previous_kernel
 
 _COUNTERS = 1 << 16  # groups a call may have: batch 256 x 256 head blocks
+# The most splits whose partials the last program of a group merges; past them the kernels leave
+# the merge to merge_splits. The last program reads the splits one after another, alone: at batch 1
+# and 1K of context the paged kernel's 32 layers (33 splits, 16 holding tokens) took 0.33 ms on an
+# H100 merged so, 0.23 ms by a launch, which reads 32 splits at once (docs/BENCHMARKS.md); for the
+# latent kernel 16 splits of 16 heads x 512 values are 512 KB for one SM.
+MERGE_HERE_SPLITS = 16
 # merge_splits: the splits a program takes in at a time ([32, CHUNK] fp32 partials, one load).
 _SPLITS_PER_LOAD = 32
 _counters: dict[torch.device, torch.Tensor] = {}
