@@ -2,8 +2,8 @@
 
 Without CUDA the kernel runs in Triton's CPU interpreter, one explicit config at a time, on small
 shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so there bf16 runs only
-through the multiply-add configs; the tensor-core configs are checked in fp32 and fp16 here and in
-bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
+through the multiply-add configs and FP8 weights' fp16 products; the tensor-core configs are checked
+in fp32 and fp16 here and in bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
 llama-tiny and SmolLM2-135M, and inside the decode step. float8_e4m3fn weights, with a float32
 scale per output channel, run every config against the dequantized weight, here and on the GPU at
 the shape of Llama-3.1-8B's o_proj.
@@ -131,6 +131,22 @@ def test_fp8_weight_fp16_x_tensor_cores(config):
     # The fp8 tile widened to a 16-bit dot, which bf16 cannot show in the interpreter.
     x, weight, scale, dequantized = fp8_operands(MAX_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
     check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP16_TOL)
+
+
+@pytest.mark.parametrize("config", TENSOR_CORES, ids=config_id)
+def test_fp8_weight_bf16_x_tensor_cores(config):
+    # bf16 x goes to the products in fp16 (scaled by 2^-8 on the way), so the interpreter runs it.
+    x, weight, scale, dequantized = fp8_operands(MAX_ROWS, *FP8_SHAPES["partial-rows"], torch.bfloat16, DEVICE)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, BF16_TOL)
+
+
+def test_fp8_weight_bf16_x_past_fp16s_range():
+    # Activations far above fp16's 65504 (and some far below 2^-9) through the fp16 products.
+    x, weight, scale, dequantized = fp8_operands(3, *FP8_SHAPES["even"], torch.bfloat16, DEVICE)
+    x = (x.float() * torch.logspace(-5, 6, x.shape[1], device=DEVICE)).to(torch.bfloat16)
+    out = gemv(x, weight, TENSOR_CORES[0], weight_scale=scale)
+    assert out.float().abs().max() > 1e5 and out.isfinite().all()
+    check_fp8(out, x, dequantized, BF16_TOL)
 
 
 W8A8_ROWS = [(c, rows) for c in W8A8 for rows in (MAX_ROWS + 1, c.kwargs["BLOCK_M"])]

@@ -95,6 +95,7 @@ def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> l
             # What the decode's chooser timed for the shape: its GEMV (W8A8 past 16 rows) and the library's.
             choice = model.linears.choices.get((count, *weight.shape, weight.dtype))
             chosen = {} if choice is None else {"chooser_gemv_us": choice.gemv_ms * 1e3,
+                                                "chooser_gemv_config": str(choice.gemv_config),
                                                 "chosen": "gemv" if choice.use_gemv else "library"}
             if choice is not None and math.isfinite(choice.cublas_ms):  # weight-only rows have no library product
                 chosen["chooser_library_us"] = choice.cublas_ms * 1e3
