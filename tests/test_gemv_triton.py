@@ -3,8 +3,8 @@
 Without CUDA the kernel runs in Triton's CPU interpreter, one explicit config at a time, on small
 shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so there bf16 runs only
 through the multiply-add configs and FP8 weights' fp16 products; the tensor-core configs are checked
-in fp32 and fp16 here and in bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
-llama-tiny and SmolLM2-135M, and inside the decode step. float8_e4m3fn weights, with a float32
+in fp32 and fp16 here and in bf16 on the GPU, where the config the chooser times fastest also runs
+at the shapes of Llama-3.1-8B, llama-tiny and SmolLM2-135M, and inside the decode step. float8_e4m3fn weights, with a float32
 scale per output channel, run every config against the dequantized weight, here and on the GPU at
 the shape of Llama-3.1-8B's o_proj.
 """
