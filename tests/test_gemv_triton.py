@@ -33,6 +33,7 @@ from shared.model.quantization import fp8_linear
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPILED_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 H200_SMS = 132
+HOPPER_SHARED_MEMORY = 232448  # bytes a program may have on an H100 or H200
 
 MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
 W8A8 = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > MAX_ROWS]  # FP8 weights only
@@ -200,13 +201,15 @@ def test_strided_rows_of_x():
 
 def test_usable_configs_at_8b_shapes():
     def usable(rows, n, k):
-        return gemv_triton.usable_configs(rows, n, k, H200_SMS)
+        return gemv_triton.usable_configs(rows, n, k, H200_SMS, HOPPER_SHARED_MEMORY)
 
     o_proj_one_row = usable(1, 4096, 4096)
     assert any(c.kwargs["BLOCK_M"] == 1 for c in o_proj_one_row)
     assert any(c.kwargs["SPLIT_K"] > 1 for c in o_proj_one_row), "N = 4096 leaves SMs idle without split-K"
     assert all(c.kwargs["BLOCK_M"] == 16 for c in usable(8, 4096, 14336))
-    assert all(c.kwargs["SPLIT_K"] == 1 for c in usable(1, 28672, 4096)), "gate_up has rows enough"
+    gate_up = usable(1, 28672, 4096)
+    assert all(c.kwargs["SPLIT_K"] == 1 for c in gate_up if c.kwargs["BLOCK_N"] <= 64), "rows enough in 64s"
+    assert any(c.kwargs["SPLIT_K"] > 1 for c in gate_up if c.kwargs["BLOCK_N"] == 128), "224 blocks of 128"
     for rows in range(1, MAX_ROWS + 1):
         for n, k in [(96, 64), (576, 576), (128256, 4096)]:
             assert usable(rows, n, k), f"no config for {rows}x{k} @ {n}x{k}"
@@ -214,6 +217,22 @@ def test_usable_configs_at_8b_shapes():
     for rows in range(MAX_ROWS + 1, MAX_FP8_ROWS + 1):  # FP8 weights: the narrowest W8A8 block that holds them
         for n, k in [(4096, 4096), (6144, 4096), (4096, 14336)]:
             assert {c.kwargs["BLOCK_M"] for c in usable(rows, n, k)} == {32 if rows <= 32 else 64}
+
+
+def test_usable_configs_fit_shared_memory():
+    # fp32 weights and x: the pipelined tiles of some 16-row configs pass what a program may have
+    # (16 x 64 x 256 in 4 stages: 3 x 80 KB); in bf16 they fit, and in FP8 with bf16 x.
+    def usable(weight_bytes, x_bytes):
+        return gemv_triton.usable_configs(MAX_ROWS, 4096, 14336, H200_SMS, HOPPER_SHARED_MEMORY,
+                                          weight_bytes, x_bytes)
+
+    fp32 = {id(c) for c in usable(4, 4)}
+    dropped = [c for c in usable(2, 2) if id(c) not in fp32]
+    assert dropped and {id(c) for c in usable(1, 2)} >= {id(c) for c in dropped}
+    for config in dropped:
+        meta = config.kwargs
+        tile_bytes = meta["BLOCK_K"] * (meta["BLOCK_N"] + meta["BLOCK_M"]) * 4
+        assert (config.num_stages - 1) * tile_bytes > HOPPER_SHARED_MEMORY
 
 
 def test_bad_inputs_raise():

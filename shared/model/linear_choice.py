@@ -135,7 +135,10 @@ class LinearChooser:
         return choice
 
     def _time_all(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
-        configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(x.device.index))
+        device = x.device.index
+        configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(device),
+                                             gemv_triton.shared_memory_per_program(device), weight.element_size(),
+                                             x.element_size())
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
         elif x.shape[0] > gemv_triton.MAX_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
