@@ -21,14 +21,9 @@ FP8 weights (weight-only quantization, W8A16): weight float8_e4m3fn [N, K] with 
 float32 [N], one scale per output channel, and x in any of SUPPORTED_DTYPES; out = x @ (weight *
 weight_scale[:, None])^T, accumulated in fp32 and rounded once to x's dtype. The weight is half the
 bytes of bf16, streamed by the same configs (the multiply-add ones in 16-byte loads of 16 fp8
-elements). Tiles widen in registers, exactly (e4m3 fits in fp16 and fp32): to fp32 for the multiply-add;
-for tl.dot with 16-bit x (FP16_PRODUCTS), to fp16, one packed conversion per two values, with bf16
-x scaled by _X_DOWN into fp16 and the sums scaled back. Widening e4m3 to bf16 instead took four
-instructions per two values (through fp32) and made the loop conversion-bound: counted for sm_90,
-0.147 warp instructions per weight byte in 64 x 128 tiles, 0.108 with fp16 products (an H200 SM
-must take in ~16.5 bytes a cycle and issues at most 4 warp instructions). The products are exact;
-bf16 x is exact in fp16 from 2^-9 to about 1.6e7 in magnitude (below 2^-9, off by at most 2^-17). The scale
-multiplies each program's fp32 sums once, after its K loop.
+elements). Tiles widen in registers, exactly (e4m3 fits in bf16, fp16 and fp32): to fp32 for the
+multiply-add, to x's dtype for tl.dot. The scale multiplies each program's fp32 sums once, after
+its K loop.
 
 FP8 weights and 17 to 64 rows (W8A8): a batch past the weight-only products, where the model's
 numbers are those of shared/model/quantization.fp8_linear: the rows quantized to float8_e4m3 with
@@ -56,8 +51,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 # Columns per program of the split-K sum.
 _SUM_BLOCK = 1024
-# FP8 weights, 16-bit x on the tensor cores: x times this into fp16, whose largest value is 65504.
-_X_DOWN = 2.0 ** -8
 
 
 def _config(block_m: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int):
@@ -85,11 +78,6 @@ if triton is not None:
         _config(16, 32, 256, 1, 4, 4),
         _config(16, 64, 128, 2, 4, 4),
         _config(16, 32, 256, 4, 4, 4),
-        # The fastest for FP8 weights at 16 rows on an H100 (bench_gemv_configs --weights fp8): 5-45%
-        # faster than the configs above at o_proj, gate_up and down.
-        _config(16, 128, 128, 1, 8, 3),
-        _config(16, 128, 128, 4, 8, 4),
-        _config(16, 64, 256, 2, 4, 4),
         # W8A8 (FP8 weights, more than MAX_ROWS rows): 32 and 64 rows a block, split-K for the small N.
         _config(32, 64, 128, 1, 4, 4),
         _config(32, 64, 128, 2, 4, 4),
@@ -102,8 +90,8 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, partial_ptr,
         M, N, K,
-        stride_xm, stride_wn, stride_om, x_down,
-        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, X_FP8: tl.constexpr, FP16_PRODUCTS: tl.constexpr,
+        stride_xm, stride_wn, stride_om,
+        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, X_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -140,19 +128,17 @@ if triton is not None:
                 acc += w.to(tl.float32) * x.to(tl.float32)
             elif X_FP8:
                 acc = tl.dot(w, tl.trans(x), acc=acc)
-            elif FP16_PRODUCTS:
-                # x_down is an argument, not a constant: LLVM would round x to fp16 first and then
-                # scale it, overflowing above 65504.
-                x16 = (x.to(tl.float32) * x_down).to(tl.float16)
-                acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc=acc)
             else:
-                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc=acc, input_precision=DOT_PRECISION)
+                if HAS_SCALE:
+                    # fp8 widens to x's dtype for the MMA, exactly, by way of fp32: straight to bf16
+                    # compiles to one slow F2F per element (fp16 -> bf16) on sm_90, through fp32 to
+                    # packed conversions and adds on the FMA pipe.
+                    w = w.to(tl.float32).to(x.dtype)
+                acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PRECISION)
         if BLOCK_M == 1:
             result = tl.sum(acc, axis=1)[:, None]
         else:
             result = acc
-        if FP16_PRODUCTS:
-            result = result / x_down
         if HAS_SCALE:
             # With split-K each partial is scaled here, before the sum: the scale is per output, so
             # the scaled partials add up to the scaled sum (to fp32 rounding), and the sum kernel
@@ -281,13 +267,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
     launch = pdl_options(x.device)
     # Without a scale, scale_ptr is None and HAS_SCALE False: the kernel compiles as for the plain weight
     # (x_scale_ptr likewise, unless W8A8).
-    fp16_products = (weight_scale is not None and not w8a8 and x.dtype != torch.float32
-                     and config.kwargs["BLOCK_M"] > 1)
-    x_down = _X_DOWN if x.dtype == torch.bfloat16 else 1.0  # fp16 x is fp16 already
     _gemv_kernel[grid](x_in, weight, weight_scale, x_scale, out, partial, rows, n, k, x_in.stride(0),
-                       weight.stride(0), out.stride(0), x_down, DOT_PRECISION=precision,
-                       HAS_SCALE=weight_scale is not None, X_FP8=w8a8, FP16_PRODUCTS=fp16_products,
-                       **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, HAS_SCALE=weight_scale is not None,
+                       X_FP8=w8a8, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+                       **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)
