@@ -32,8 +32,7 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 
 def grid(rows: int, fp8: bool) -> list:
     """Tensor-core configs (x padded to 16 rows), and for one row the multiply-add configs too. FP8
-    weights: tensor-core blocks of 8-32 KB, and the shipped multiply-add
-    configs for one row."""
+    weights: tensor-core blocks of 8-32 KB, and for one row the shipped multiply-add configs."""
     def configs(block_m, blocks, tuning):
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split},
                               num_warps=warps, num_stages=stages)
