@@ -36,7 +36,7 @@ KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
 TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 4, 3), Tiling(128, 8, 2),
            Tiling(32, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True))
 FP8_QUERY_TILINGS = (Tiling(64, 4, 2), Tiling(128, 8, 2))
-SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b1_1k": (4, 16), "b1_512k": (16, 64)}
+SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b1_1k": (4, 16), "b1_512k": (16, 49, 66, 132)}
 
 
 def filled_pool(kv_dtype: str, pages: int):
