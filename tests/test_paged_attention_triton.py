@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 from shared.kernels import kv_quant  # noqa: E402
 from shared.kernels.paged_attention_triton import (  # noqa: E402
-    Tiling, _choose_num_splits, paged_decode_attention,
+    DEFAULT_TILING, LARGE_BATCH, LARGE_BATCH_TILING, LONG_CONTEXT, Tiling, _choose_num_splits, default_tiling,
+    paged_decode_attention,
 )
 from shared.model import attention  # noqa: E402
 
@@ -206,6 +207,16 @@ def test_pages_that_do_not_divide_the_tile(page_size, kv_dtype):
         check([300, 77], 4, 2, 64, num_splits=2, page_size=page_size)
     else:
         check_quantized([300, 77], 4, 2, 64, 2, kv_dtype, page_size=page_size)
+
+
+def test_default_tiling_by_batch_and_page_table_width():
+    """128-token tiles from batch 8 up, and below where the page table spans LONG_CONTEXT tokens."""
+    for mode in ("native", "fp16"):
+        assert default_tiling(mode, 1, 131072) == DEFAULT_TILING[mode] != LARGE_BATCH_TILING[mode]
+        assert default_tiling(mode, 1, LONG_CONTEXT) == LARGE_BATCH_TILING[mode]
+        assert default_tiling(mode, LARGE_BATCH - 1, LONG_CONTEXT - 16) == DEFAULT_TILING[mode]
+        assert default_tiling(mode, LARGE_BATCH, 1024) == LARGE_BATCH_TILING[mode]
+    assert LARGE_BATCH_TILING["native"].block_n == 128 and DEFAULT_TILING["fp16"].block_n == 64
 
 
 @pytest.mark.parametrize("tiling", [Tiling(32, 4, 2), Tiling(128, 8, 3)], ids=["n32", "n128-w8"])

@@ -8,6 +8,7 @@ for ours, a prompt whole and in two chunks."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -201,7 +202,9 @@ def test_a_mistral_with_our_attention_gives_transformers_logits(monkeypatch):
         model.set_attn_implementation("pdserve")
         whole = model(ids).logits
         first = model(ids[:, :40], use_cache=True)
-        second = model(ids[:, 40:], cache=first.past_key_values, use_cache=True).logits
+        # transformers renamed forward's past_key_values to cache (5.25 has the new name, the H200's 5.17 the old).
+        cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        second = model(ids[:, 40:], **{cache: first.past_key_values}, use_cache=True).logits
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([first.logits, second], dim=1), expected, atol=1e-5, rtol=1e-5)
     unwindowed = MistralForCausalLM(MistralConfig(**{**config.to_dict(), "sliding_window": None})).eval()

@@ -101,7 +101,7 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline) -> li
     for row in rows:
         row["vs_shipped"] = row["step_attention_ms"] / shipped
     mode = compute_mode(q, pool.key(0), False)
-    rows[0].update(mode=mode, tiling=vars(default_tiling(mode, batch)))
+    rows[0].update(mode=mode, tiling=vars(default_tiling(mode, batch, table.shape[1] * PAGE_SIZE)))
     return rows
 
 

@@ -87,16 +87,22 @@ class Tiling:
     convert_on_load: bool = False
 
 
-# The tiles by batch, measured on the H200 (docs/BENCHMARKS.md, decode attention per KV format): at
-# batch 8 and 32 x 8K 128-token tiles ran the attention in 0.70-0.85x the time of 64-token ones; at
-# batch 1 x 1K in 1.2x (int8, float8_e4m3). Batches 2 to 7 were not measured: they keep 64.
+# The tiles by batch and page-table width (docs/BENCHMARKS.md, decode attention per KV format). At
+# batch 8 and 32 x 8K 128-token tiles ran the attention in 0.70-0.85x the time of 64-token ones (H200).
+# One sequence: at 512K in 0.78x (int8, e4m3) and 0.92x (bf16), at 1K with quantized pages in 1.3x, and
+# its step 1.4-1.8% slower at 1K in every format (H100). So batches 1 to 7 take 128-token tiles where the
+# page table is as wide as LONG_CONTEXT tokens: a pool sized for such contexts, whose long steps gain
+# several milliseconds each where a short one loses 0.1.
 DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 LARGE_BATCH = 8
+LONG_CONTEXT = 262144
 
 
-def default_tiling(mode: str, batch: int) -> Tiling:
-    return (LARGE_BATCH_TILING if batch >= LARGE_BATCH else DEFAULT_TILING)[mode]
+def default_tiling(mode: str, batch: int, context: int) -> Tiling:
+    """The tiling for a batch over a page table of `context` tokens."""
+    wide = batch >= LARGE_BATCH or context >= LONG_CONTEXT
+    return (LARGE_BATCH_TILING if wide else DEFAULT_TILING)[mode]
 
 
 if triton is not None:
@@ -360,7 +366,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
     fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
-    tiling: the loop's tile and warps, default_tiling's for the mode and batch when None (benchmarks sweep it).
+    tiling: the loop's tile and warps, default_tiling's for the mode, batch and page-table width when None
+    (benchmarks sweep it).
     window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window).
     merge_here: split partials merged by the last program of their group (True) or by merge_splits'
     launch (False); None: up to MERGE_HERE_SPLITS splits here."""
@@ -371,7 +378,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     mode = compute_mode(q, k_cache, fp8_query)
-    tiling = tiling or default_tiling(mode, batch)
+    tiling = tiling or default_tiling(mode, batch, page_table.shape[1] * page_size)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     if num_splits is None:
