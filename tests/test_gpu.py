@@ -161,6 +161,43 @@ def test_graphed_decode_equals_eager():
     assert_graph_replay_equals_eager(load_paged_llama("random:llama-tiny", "float32", "cuda:0"))
 
 
+def test_short_steps_over_a_long_context_table_replay_the_narrow_capture():
+    """A page table of 256K tokens gives batch 1 the attention's wide tiles; the bucket is also
+    captured over a table of SHORT_CONTEXT tokens, which a step of a shorter sequence replays and a
+    longer one does not. Either replay computes the eager step."""
+    from services.decode.cuda_graphs import SHORT_CONTEXT, GraphedDecode
+    from shared.kernels.paged_attention_triton import LONG_CONTEXT
+    from shared.model.llama import load_paged_llama
+    from tests.decode_inputs import PAGE_SIZE, prefilled_step_inputs
+
+    model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
+    layout = model.kv_layout(1024, PAGE_SIZE)
+    pool, _ = allocate_local_pool(layout, "cuda:0")
+    allocator = PageAllocator(layout.num_pages)
+    graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], LONG_CONTEXT // PAGE_SIZE, [1, 8])
+    assert set(graphs.short) == {1}  # batch 8 takes the wide tiles at any width
+    replays = []
+
+    class Named:  # the captured graph, noting its replays
+        def __init__(self, graph, name):
+            self.graph, self.name = graph, name
+
+        def replay(self):
+            replays.append(self.name)
+            self.graph.replay()
+
+    graphs.short[1].graph = Named(graphs.short[1].graph, "narrow")
+    graphs.captured[1].graph = Named(graphs.captured[1].graph, "full")
+    for length, expected in ((40, "narrow"), (SHORT_CONTEXT + 100, "full")):
+        inputs = prefilled_step_inputs(model, pool, allocator, [length])
+        kv_before = pool.kv.clone()
+        graphed = graphs.step(inputs).clone()
+        pool.kv.copy_(kv_before)
+        eager = model.decode(inputs.token_ids, inputs.positions, inputs.page_table, pool)
+        torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+        assert replays.pop() == expected and not replays
+
+
 def test_programmatic_launch_leaves_the_step_bit_identical():
     """PDL lets a kernel start while the one before it drains; every kernel waits before it touches
     memory, so a graphed bf16 step gives the same bits with and without it."""

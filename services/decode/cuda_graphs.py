@@ -5,12 +5,16 @@ they cost more than the bytes they move. Each bucket's step is captured once at 
 static input buffers; a step then copies its inputs in and replays one graph. A batch is
 padded up to the next bucket: padding rows sit at position 0 of a scratch page that no request
 owns, so they write nothing that matters. Batches above the largest bucket run eagerly.
-The page table is as wide as the model's context, so one graph serves every length.
+The page table is as wide as the model's context, so one graph serves every length. Where that
+width gives a bucket the decode attention's long-context tiles (paged_attention_triton.wide_tiles)
+and a table of SHORT_CONTEXT tokens would not, the bucket is also captured with the narrow table,
+and a step whose sequences all fit it replays that graph: short sequences run faster in the
+narrow tiles, long ones in the wide (docs/BENCHMARKS.md, one sequence at 512K).
 
 Where the per-shape matmul choice (shared/model/linear_choice.py) put some of a bucket's matmuls
 on cuBLAS, the bucket is captured twice, as chosen and with every matmul on the Triton GEMV, and
-the faster replay is kept (without tensor parallelism). Both are timed on the same inputs: every row at a 1,024-token context
-whose pages are all the scratch page.
+the faster replay is kept (without tensor parallelism). Both are timed on the same inputs: every
+row at a 1,024-token context whose pages are all the scratch page.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import structlog
 import torch
 
 from services.decode.step_inputs import StepInputs
+from shared.kernels.paged_attention_triton import wide_tiles
 from shared.kv.pool import PagedKvPool
 from shared.model.llama import PagedLlama
 
@@ -29,6 +34,8 @@ log = structlog.get_logger()
 # The context and replays of the timing that picks between a bucket's two captures.
 _TIMING_CONTEXT = 1024
 _TIMING_WARMUP, _TIMING_REPLAYS = 3, 21
+# The narrow table's tokens (see the module docstring).
+SHORT_CONTEXT = 8192
 
 
 @dataclass
@@ -46,13 +53,21 @@ class GraphedDecode:
         self.model, self.pool, self.scratch_page = model, pool, scratch_page
         self.sizes = sorted(batch_sizes)
         self.captured: dict[int, _Captured] = {}
+        # Buckets also captured over a table of short_pages pages (the module docstring).
+        self.short: dict[int, _Captured] = {}
+        page_size = pool.layout.page_size
+        self.short_pages = min(max_pages, SHORT_CONTEXT // page_size)
         # Per bucket timed both ways: the step's median ms as chosen per shape and all on the GEMV.
         self.matmul_timings: dict[int, dict[str, float]] = {}
         memory_pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             self.captured[size] = self._capture_fastest(size, max_pages, memory_pool)
+            if model.mla is None and wide_tiles(size, max_pages * page_size) != wide_tiles(
+                    size, self.short_pages * page_size):
+                self.short[size] = self._capture(size, self.short_pages, memory_pool)
         log.info("captured decode graphs", batch_sizes=self.sizes, max_pages=max_pages,
-                 all_gemv=sorted(model.linears.gemv_rows & set(self.sizes)))
+                 all_gemv=sorted(model.linears.gemv_rows & set(self.sizes)),
+                 short_table=sorted(self.short), short_pages=self.short_pages)
 
     def _capture_fastest(self, size: int, max_pages: int, memory_pool) -> _Captured:
         linears = self.model.linears
@@ -109,7 +124,8 @@ class GraphedDecode:
         size = next((s for s in self.sizes if s >= batch), None)
         if size is None:
             return None
-        c = self.captured[size]
+        fits_short = inputs.page_table.shape[1] <= self.short_pages
+        c = self.short[size] if fits_short and size in self.short else self.captured[size]
         c.token_ids[:batch].copy_(inputs.token_ids, non_blocking=True)
         c.positions[:batch].copy_(inputs.positions, non_blocking=True)
         c.positions[batch:].zero_()

@@ -91,18 +91,22 @@ class Tiling:
 # batch 8 and 32 x 8K 128-token tiles ran the attention in 0.70-0.85x the time of 64-token ones (H200).
 # One sequence: at 512K in 0.78x (int8, e4m3) and 0.92x (bf16), at 1K with quantized pages in 1.3x, and
 # its step 1.4-1.8% slower at 1K in every format (H100). So batches 1 to 7 take 128-token tiles where the
-# page table is as wide as LONG_CONTEXT tokens: a pool sized for such contexts, whose long steps gain
-# several milliseconds each where a short one loses 0.1.
+# page table is as wide as LONG_CONTEXT tokens, where each long step gains milliseconds; the decode
+# replays a step of short sequences from a narrower table (services/decode/cuda_graphs.py).
 DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 LARGE_BATCH = 8
 LONG_CONTEXT = 262144
 
 
+def wide_tiles(batch: int, context: int) -> bool:
+    """Whether a batch over a page table of `context` tokens reads 128-token tiles."""
+    return batch >= LARGE_BATCH or context >= LONG_CONTEXT
+
+
 def default_tiling(mode: str, batch: int, context: int) -> Tiling:
     """The tiling for a batch over a page table of `context` tokens."""
-    wide = batch >= LARGE_BATCH or context >= LONG_CONTEXT
-    return (LARGE_BATCH_TILING if wide else DEFAULT_TILING)[mode]
+    return (LARGE_BATCH_TILING if wide_tiles(batch, context) else DEFAULT_TILING)[mode]
 
 
 if triton is not None:
