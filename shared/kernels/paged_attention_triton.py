@@ -89,7 +89,7 @@ class Tiling:
 
 # The tiles by batch and page-table width (docs/BENCHMARKS.md, decode attention per KV format). At
 # batch 8 and 32 x 8K 128-token tiles ran the attention in 0.70-0.85x the time of 64-token ones (H200).
-# One sequence: at 512K in 0.78x (int8, e4m3) and 0.92x (bf16), at 1K with quantized pages in 1.3x, and
+# One sequence: at 512K in 0.77-0.79x (int8, e4m3) and 0.92x (bf16), at 1K with quantized pages in 1.3x, and
 # its step 1.4-1.6% slower at 1K in every format (H100). So batches 1 to 7 take 128-token tiles where the
 # page table is as wide as LONG_CONTEXT tokens, where each long step gains milliseconds; the decode
 # replays a step of short sequences from a narrower table (services/decode/cuda_graphs.py).
