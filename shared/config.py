@@ -250,6 +250,11 @@ class PrefillConfig:
     cpu_cores: str = field(default="", metadata=_check(lambda v: parse_cores(v) is not None, "is not a core list"))
     # Long prompts go through in chunks of this many tokens to bound activation memory; 0: whole.
     chunk_tokens: int = field(default=0, metadata=_check(lambda v: v >= 0, "must not be negative"))
+    # The GPU prefill's attention (shared/model/attention.py): "auto" takes FlashInfer's Hopper kernel
+    # where it is installed (pyproject's hopper extra), else cuDNN; "flashinfer", "cudnn" or "sdpa"
+    # holds it to one. The CPU's is always the masked SDPA.
+    attention: str = field(default="auto", metadata=_check(
+        lambda v: v in ("auto", "flashinfer", "cudnn", "sdpa"), "must be auto, flashinfer, cudnn or sdpa"))
     # Keep the KV of finished prompts as a cache of full pages and compute only what a new prompt
     # does not share with one before (services/prefill/prefix_cache.py); false: every prompt whole.
     prefix_cache: bool = True

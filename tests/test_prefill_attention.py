@@ -1,7 +1,7 @@
 """The prefill's attention: the split of a chunk after earlier keys and its log-sum-exp merge on the
-CPU against the masked attention, the Triton merge against its PyTorch expression, and on a GPU the
-chosen path (SDPA's pick for a whole prompt, the cuDNN split where keys precede the chunk) against
-SDPA's math backend."""
+CPU against the masked attention, the Triton merge against its PyTorch expression, and on a GPU each
+way (FlashInfer's Hopper kernel where installed, SDPA's pick for a whole prompt and the cuDNN split
+where keys precede the chunk, the masked SDPA) against SDPA's math backend."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run interpreted
 
-from shared.kernels import attention_merge
+from loadtest.engine import bench_prefill_attention
+from shared.kernels import attention_merge, flashinfer_prefill
 from shared.model import attention, split_attention
 
 HEADS, KV_HEADS = 8, 2
@@ -69,6 +70,20 @@ def test_the_cpu_prefill_keeps_the_masked_attention(monkeypatch):
     assert torch.equal(attention.prefill_attention(q, k, v, 0.3), attention.masked_attention(q, k, v, 0.3))
 
 
+def test_per_head_fp8_keeps_each_head_within_e4m3_rounding():
+    """The benchmark's FP8 rows quantize q, k and v with one scale a head: a head of tiny values keeps
+    its precision beside a head of large ones, and nothing saturates (so what those rows measure of
+    accuracy is the kernel's)."""
+    x = torch.randn(50, 3, 16, dtype=torch.bfloat16) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None].to(torch.bfloat16)
+    quantized, scale = bench_prefill_attention.quantize_per_head(x)
+    assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (3,)
+    assert quantized.float().abs().amax(dim=(0, 2)).tolist() == [bench_prefill_attention.FP8_MAX] * 3
+    restored = quantized.float() * scale[None, :, None]
+    # e4m3 keeps 3 bits of mantissa: half an ulp is 2^-4 of a value; below its normal range, of the scale
+    error = (restored - x.float()).abs()
+    assert (error <= x.float().abs() * 2 ** -4 + scale[None, :, None] * 2 ** -9).all()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton interprets CPU tensors only without CUDA; "
                     "test_the_merge_kernel_on_the_gpu compiles it")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,19 +129,30 @@ MLA = dict(heads=16, kv_heads=16, head_dim=192, v_dim=128, dtype=torch.bfloat16,
 GPU_CASES = [(1000, 1000), (777, 2277), (512, 4608), (1, 300), (300, 301)]
 
 
+@pytest.fixture
+def held_to(request):
+    attention.hold_prefill_to(request.param)
+    yield request.param
+    attention.hold_prefill_to(None)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("queries, keys", GPU_CASES)
 @pytest.mark.parametrize("shape", [EIGHT_B, MLA], ids=["8b", "mla"])
-def test_the_gpu_prefill_attention_equals_the_math_backend(queries, keys, shape):
-    """The chosen path (SDPA's pick for a whole prompt; split and merged after earlier keys; the
-    masked SDPA where cuDNN refuses a part) on the 8B's and MLA's heads against SDPA's math backend
-    in float32 on the same bf16 inputs, within bf16 rounding."""
+@pytest.mark.parametrize("held_to", [None, *attention.PREFILL_WAYS], indirect=True)
+def test_the_gpu_prefill_attention_equals_the_math_backend(queries, keys, shape, held_to):
+    """Each way and the chosen one (None) on the 8B's and MLA's heads against SDPA's math backend in
+    float32 on the same bf16 inputs, within bf16 rounding: FlashInfer's kernel, SDPA's pick for a
+    whole prompt and the cuDNN split after earlier keys (the masked SDPA where cuDNN refuses a part),
+    the masked SDPA."""
     q, k, v = qkv(queries, keys, **shape)
-    if queries > 1 and keys - queries > 1:
+    if held_to == "cudnn" and queries > 1 and keys - queries > 1:
         assert split_attention.gqa_modes(q, k, v) is not None, "cuDNN refused a case it should take"
-    chosen = attention.prefill_attention(q, k, v, shape["head_dim"] ** -0.5)
-    torch.testing.assert_close(chosen.float(), math_backend(q, k, v), atol=BF16_ATOL, rtol=0)
+    if held_to == "flashinfer" and not flashinfer_prefill.accepts(q, k, v):
+        pytest.skip("FlashInfer's Hopper kernel is not installed here, or does not take these heads")
+    out = attention.prefill_attention(q, k, v, shape["head_dim"] ** -0.5)
+    torch.testing.assert_close(out.float(), math_backend(q, k, v), atol=BF16_ATOL, rtol=0)
 
 
 @pytest.mark.gpu

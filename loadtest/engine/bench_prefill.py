@@ -2,14 +2,15 @@
 where the time goes (JSON on stdout). Imports no service, socket or RPC library.
 
     python -m loadtest.engine.bench_prefill [--model random:llama-3.1-8b] [--prompts 8192:0,131072:32768]
-        [--repeats 5] [--out FILE]
+        [--repeats 5] [--ways today,cudnn] [--out FILE]
 
 A prompt TOKENS:CHUNK of random ids runs through PagedLlama.prefill into a bf16 pool, in chunks of
-CHUNK tokens (0: whole), three ways in one run:
-- today: the prefill as it was until now, kept here as the baseline (todays_prefill);
+CHUNK tokens (0: whole), these ways in one run:
+- today: the prefill as it was until the fused kernels, kept here as the baseline (todays_prefill);
 - fused_masked: the prefill now with its attention held to that same masked SDPA call
-  (attention.allow_split(False)): what the fused kernels and the layer-by-layer staging change alone;
-- chosen: the prefill now.
+  (attention.hold_prefill_to("sdpa")): what the fused kernels and the layer-by-layer staging change alone;
+- cudnn: the prefill now with its attention held to cuDNN (a chunk after earlier keys split in two);
+- chosen: the prefill now (FlashInfer's Hopper kernel where it is installed, else as cudnn).
 Each is the median of --repeats runs after one warm-up (fewer for long prompts: --long-repeats),
 with its last-position logits beside today's, and beside the bound: the prompt's matmul FLOPs (linear layers plus causal attention,
 loadtest/lib/model_costs.py) at the bf16 matmul rate measured in the same run. The 8K prompt's
@@ -73,17 +74,17 @@ def todays_prefill(model: PagedLlama, token_ids: list[int], pool, page_ids: list
 
 
 def ways(model: PagedLlama, pool, chunk: int) -> dict:
-    def new(split: bool):
+    def held_to(way: str | None):
         def run(ids, pages):
-            attention.allow_split(split)
+            attention.hold_prefill_to(way)
             try:
                 return model.prefill(ids, pool, pages, chunk)
             finally:
-                attention.allow_split(True)
+                attention.hold_prefill_to(None)
         return run
 
     return {"today": lambda ids, pages: todays_prefill(model, ids, pool, pages, chunk),
-            "fused_masked": new(False), "chosen": new(True)}
+            "fused_masked": held_to("sdpa"), "cudnn": held_to("cudnn"), "chosen": held_to(None)}
 
 
 def chunks_of(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -151,7 +152,8 @@ def logits_difference(logits: torch.Tensor, baseline: torch.Tensor) -> dict:
             "same_argmax": bool(logits.argmax() == baseline.argmax())}
 
 
-def bench_prompt(model: PagedLlama, pool, tokens: int, chunk: int, repeats: int, rate: float) -> dict:
+def bench_prompt(model: PagedLlama, pool, tokens: int, chunk: int, repeats: int, rate: float,
+                 only: list[str] | None = None) -> dict:
     ids = torch.randint(0, model.vocab_size, (tokens,)).tolist()
     pages = list(range(pages_for(tokens, PAGE_SIZE)))
     bound_ms = prefill_flops(model, tokens) / (rate * 1e12) * 1e3
@@ -160,13 +162,16 @@ def bench_prompt(model: PagedLlama, pool, tokens: int, chunk: int, repeats: int,
               "attention_bound_ms": attention_flops(model, tokens) / (rate * 1e12) * 1e3}
     logits = {}
     for name, run in ways(model, pool, chunk).items():
+        if only and name not in only and name != "chosen":
+            continue
         torch.cuda.reset_peak_memory_stats()
         ms = quantile(cuda_time_ms(lambda: logits.update({name: run(ids, pages)}), repeats, warmup=1), 0.5)
         result[name] = {"ms_p50": ms, "over_bound": ms / bound_ms,
                         "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB}
         print(f"{tokens}:{chunk} {name} {ms:.1f} ms (bound {bound_ms:.1f})", file=sys.stderr)
-    for name in ("fused_masked", "chosen"):
-        result[name]["logits_vs_today"] = logits_difference(logits[name], logits["today"])
+    baseline = next(iter(logits))
+    for name in list(logits)[1:]:
+        result[name][f"logits_vs_{baseline}"] = logits_difference(logits[name], logits[baseline])
     chosen_ms = result["chosen"]["ms_p50"]
     run = ways(model, pool, chunk)["chosen"]
     result["chosen"] |= {
@@ -189,6 +194,8 @@ def main() -> None:
     parser.add_argument("--prompts", default="8192:0,131072:32768", help="TOKENS:CHUNK (0: whole), comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--long-repeats", type=int, default=1, help="repeats of prompts above 16K tokens")
+    parser.add_argument("--ways", help="only these ways beside chosen, comma-separated (default: all; the first "
+                                       "run is the others' logits baseline)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -199,7 +206,9 @@ def main() -> None:
     torch.cuda.empty_cache()  # the unfused q/k/v and gate/up weights went with the HF module
     most = max(tokens for tokens, _ in prompts)
     pool, _ = allocate_local_pool(model.kv_layout(pages_for(most, PAGE_SIZE), PAGE_SIZE), "cuda")
-    results = [bench_prompt(model, pool, tokens, chunk, args.repeats if tokens <= 16384 else args.long_repeats, rate)
+    only = args.ways.split(",") if args.ways else None
+    results = [bench_prompt(model, pool, tokens, chunk, args.repeats if tokens <= 16384 else args.long_repeats, rate,
+                            only)
                for tokens, chunk in prompts]
     emit({"benchmark": "prefill alone", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "model": args.model, "matmul_bf16_tflops": rate, "prompts": results}, args.out)

@@ -1,7 +1,7 @@
 """The prefill's causal attention, one layer, each way the device has, side by side (JSON on stdout).
 
     python -m loadtest.engine.bench_prefill_attention [--cases 8192@0,32768@0,8192@57344,32768@122880,32768@491520]
-        [--shape llama-3.1-8b|deepseek-v2-lite] [--repeats 5] [--out FILE]
+        [--shape llama-3.1-8b|deepseek-v2-lite] [--repeats 5] [--ways NAME,...] [--out FILE]
 
 --shape: the 8B's 32 query / 8 KV heads of 128, or DeepSeek-V2-Lite's prefill attention, 16 heads
 with keys of 192 (128 from the latent, 64 RoPE) and values of 128 (shared/model/mla.py); for it
@@ -19,6 +19,11 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
   bottom-right mask materialized, skipped above --max-mask-gib);
 - cudnn_split, cudnn_split_stacked: shared/model/split_attention.py, cuDNN reading the grouped KV
   heads itself, or the query heads of each group stacked along the sequence;
+- flashinfer: FlashInfer's Hopper (FA3) kernel, one call with the bottom-right causal mask
+  (shared/kernels/flashinfer_prefill.py), where FlashInfer is installed and the GPU is a Hopper;
+- flashinfer_fp8: the same kernel in FP8, q, k and v quantized per head in the call;
+  flashinfer_fp8_kernel: the FP8 kernel alone, on inputs quantized before the timing (as a prefill
+  that kept its K/V staged in FP8 would call it);
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
@@ -34,6 +39,7 @@ summed over a 512K-token prompt in 32K chunks, 32 layers.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loadtest.lib.device_rates import GIB, cuda_time_ms, matmul_tflops
 from loadtest.lib.report import emit
+from shared.kernels import flashinfer_prefill
 from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, split_attention
@@ -67,6 +74,8 @@ CHECK_QUERIES, CHECK_BEFORE = 1024, 3072
 PAGE_SIZE = 16
 DEVICE = "cuda"
 LONG_PROMPT, LONG_CHUNK = 524288, 32768
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
 
 
 def attention_flops(shape: Shape, queries: int, before: int) -> float:
@@ -99,6 +108,39 @@ def split(modes: tuple[str, str]):
     return call
 
 
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, H, D] -> (float8_e4m3 [S, H, D], float32 [H]): each head scaled so its largest value is FP8's largest."""
+    scale = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / FP8_MAX
+    # In x's dtype: bf16 keeps more bits than e4m3, and a float32 copy of a long context is large.
+    return (x * (1 / scale).to(x.dtype)[None, :, None]).to(FP8), scale
+
+
+def fp8_kernel(q8, k8, v8, scales, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    import flashinfer
+
+    q_scale, k_scale, v_scale = scales
+    return flashinfer.single_prefill_with_kv_cache(q8, k8, v8, causal=True, sm_scale=scale, backend="fa3",
+                                                   scale_q=q_scale, scale_k=k_scale, scale_v=v_scale,
+                                                   o_dtype=out_dtype)
+
+
+def fp8_attention(q, k, v, scale):
+    """FlashInfer's FP8 kernel, q, k and v quantized in the call."""
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_per_head(x) for x in (q, k, v))
+    return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, q.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The last case's inputs in FP8 with their per-head scales (tensors hash by identity)."""
+    return tuple(quantize_per_head(x) for x in (q, k, v))
+
+
+def fp8_kernel_alone(q, k, v, scale):
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = quantized(q, k, v)
+    return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, q.dtype)
+
+
 def v_padded(q, k, v, scale):
     padded = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
     return attention.prefill_attention(q, k, padded, scale)[..., : v.shape[-1]]
@@ -112,6 +154,11 @@ WAYS = {
     "cudnn_split_stacked": split((split_attention.GQA_STACKED, split_attention.GQA_STACKED)),
     "chosen": lambda q, k, v, scale: attention.prefill_attention(q, k, v, scale),
 }
+FLASHINFER_WAYS = {
+    "flashinfer": flashinfer_prefill.attention,
+    "flashinfer_fp8": fp8_attention,
+    "flashinfer_fp8_kernel": fp8_kernel_alone,
+}
 
 
 def ways(shape: Shape) -> dict:
@@ -119,6 +166,11 @@ def ways(shape: Shape) -> dict:
         named = {name: fn for name, fn in WAYS.items() if name != "cudnn_split_stacked"}
     else:
         named = dict(WAYS)
+    q, k, v = (torch.empty(1, heads, dim, device=DEVICE, dtype=torch.bfloat16)
+               for heads, dim in ((shape.heads, shape.head_dim), (shape.kv_heads, shape.head_dim),
+                                  (shape.kv_heads, shape.v_dim)))
+    if flashinfer_prefill.accepts(q, k, v):
+        named |= FLASHINFER_WAYS
     return named | ({"v_padded": v_padded} if shape.v_dim != shape.head_dim else {})
 
 
@@ -216,6 +268,8 @@ def run(args) -> dict:
         if not before:
             case["sdpa_default"] = sdpa_default(shape, queries)
         for name, fn in ways(shape).items():
+            if args.ways and name not in args.ways.split(","):
+                continue
             case[name] = run_way(shape, name, fn, queries, before, args.repeats, rate, args.max_mask_gib)
             torch.cuda.empty_cache()
         if (queries, before) in later:
@@ -223,6 +277,7 @@ def run(args) -> dict:
         report_cases.append(case)
     report = {"benchmark": "prefill attention, one layer", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "flashinfer": flashinfer_version(),
               "avoid_recompile": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
               "shape": {"name": args.shape, "heads": shape.heads, "kv_heads": shape.kv_heads,
                         "head_dim": shape.head_dim, "v_dim": shape.v_dim, "dtype": "bfloat16"},
@@ -237,12 +292,21 @@ def run(args) -> dict:
     return report
 
 
+def flashinfer_version() -> str | None:
+    if not flashinfer_prefill.installed():
+        return None
+    import flashinfer
+
+    return flashinfer.__version__
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="8192@0,32768@0,8192@57344,32768@122880,32768@491520",
                         help="QUERIES@KEYS_BEFORE, comma-separated")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ways", help="only these ways, comma-separated (default: every way this device runs)")
     parser.add_argument("--max-mask-gib", type=float, default=4.0,
                         help="cudnn_whole's materialized bottom-right mask above this is skipped")
     parser.add_argument("--out")

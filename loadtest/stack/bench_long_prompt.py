@@ -152,7 +152,12 @@ def run(args) -> dict:
             warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
             asyncio.run(one_prompt(stack.address, warm, min(3, args.output_tokens), args.request_timeout_s))
         prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
-        record = asyncio.run(one_prompt(stack.address, prompt, args.output_tokens, args.request_timeout_s))
+        try:
+            record = asyncio.run(one_prompt(stack.address, prompt, args.output_tokens, args.request_timeout_s))
+        except RuntimeError:  # the services' logs go with the work folder: their last lines say why
+            for name in stack.processes:
+                print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
+            raise
     kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
     return {
         "model": args.model, "device": args.device, "tokens": args.tokens, "output_tokens": record.tokens,
@@ -172,7 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=64, help="generated, EOS ignored")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "int8", "float8_e4m3"))
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="model.quantization")
-    parser.add_argument("--chunk-tokens", type=int, default=32768, help="prefill.chunk_tokens; 0: whole")
+    parser.add_argument("--chunk-tokens", type=int, default=8192,
+                        help="prefill.chunk_tokens; 0: whole (8K ran the long contexts fastest: docs/BENCHMARKS.md)")
     parser.add_argument("--kv-pages", type=int, default=0,
                         help="pages of each pool; 0: just the prompt plus its output")
     parser.add_argument("--warmup-tokens", type=int,

@@ -1,12 +1,14 @@
 """Attention over the paged pool.
 
 prefill_attention: a prompt chunk's causal attention over contiguous K/V, its own and any earlier
-chunks' or cached prefix's before them (causal from the bottom right). A whole prompt (or its first
-chunk) is one causal SDPA call, on the backend SDPA picks: on the H200 it ran at least as fast as
-cuDNN called directly, for the 8B's heads and MLA's. On a GPU a chunk after earlier keys is split in
-two and merged by log-sum-exp (shared/model/split_attention.py), both parts through cuDNN; where
-cuDNN cannot run a part (float32, a single key) and on the CPU, it is one SDPA call with the
-bottom-right mask (masked_attention).
+chunks' or cached prefix's before them (causal from the bottom right). On a Hopper GPU with
+FlashInfer installed, every case is one call to its FA3 kernel (shared/kernels/flashinfer_prefill.py).
+Otherwise a whole prompt (or its first chunk) is one causal SDPA call, on the backend SDPA picks: on
+the H200 it ran at least as fast as cuDNN called directly, for the 8B's heads and MLA's; and on a GPU
+a chunk after earlier keys is split in two and merged by log-sum-exp
+(shared/model/split_attention.py), both parts through cuDNN. Where neither runs (float32, a single
+key, MLA's unequal head dims for FlashInfer) and on the CPU, it is one SDPA call with the
+bottom-right mask (masked_attention). Which is fastest where: docs/BENCHMARKS.md, "prefill attention".
 
 paged_decode_attention: one new token per sequence against its pages; on a GPU the Triton kernel
 reads the pages in place and dequantizes quantized ones in registers
@@ -26,25 +28,30 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shared.kernels import kv_quant, paged_attention_triton
+from shared.kernels import flashinfer_prefill, kv_quant, paged_attention_triton
 from shared.model import split_attention
 
-_split_allowed = True
+# The GPU prefill's ways, fastest first; each falls to the next where it cannot run a case.
+PREFILL_WAYS = ("flashinfer", "cudnn", "sdpa")
+_ways = PREFILL_WAYS
 
 
-def allow_split(allowed: bool) -> None:
-    """Switches the GPU's cuDNN split off or on for later calls (benchmarks compare it with the masked SDPA)."""
-    global _split_allowed
-    _split_allowed = allowed
+def hold_prefill_to(way: str | None) -> None:
+    """Holds the GPU's prefill attention to one of PREFILL_WAYS (and the masked SDPA where that one
+    cannot run) for later calls, None for all of them: benchmarks compare them in one process."""
+    global _ways
+    _ways = PREFILL_WAYS if way is None else (way,)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       window: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [S, KVH, D] with S >= T (the last T keys are the queries' own) -> [T, H, D];
     window > 0: each query sees only its last `window` keys, its own included."""
-    if 0 < window < k.shape[0] or k.shape[0] == q.shape[0]:
+    if 0 < window < k.shape[0] or not q.is_cuda:
         return masked_attention(q, k, v, scale, window)
-    modes = split_attention.gqa_modes(q, k, v) if q.is_cuda and _split_allowed else None
+    if "flashinfer" in _ways and flashinfer_prefill.accepts(q, k, v):
+        return flashinfer_prefill.attention(q, k, v, scale)
+    modes = split_attention.gqa_modes(q, k, v) if "cudnn" in _ways and k.shape[0] > q.shape[0] else None
     if modes is None:
         return masked_attention(q, k, v, scale)
     return split_attention.split_attention(q, k, v, scale, modes)

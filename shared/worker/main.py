@@ -14,7 +14,9 @@ import structlog
 from shared.config import Config
 from shared.control.dispatch import FatalError
 from shared.control.messages import ModelFingerprint, Role
+from shared.kernels import flashinfer_prefill
 from shared.kernels.device import select_device
+from shared.model import attention
 from shared.model.fingerprint import model_fingerprint
 from shared.model.llama import PagedLlama, load_paged_llama
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable
@@ -79,12 +81,23 @@ def _check_shardable(config: Config, size: int) -> None:
         raise Unshardable(str(exc)) from None
 
 
+class KernelsMissing(FatalError):
+    """A setting that asks for kernels this machine lacks: a setting to change, like a bad config value."""
+    exit_code = 2
+
+
 def load_model(config: Config, weights_from: str = "",
                tp: TensorParallel = SINGLE) -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
     """The model, loaded from its checkpoint (tp: this rank's shard of it) or mapped from the weights
     prefill `weights_from` publishes, the check that ends its requests, and its fingerprint (what a
-    peer's KV must match)."""
-    config.model.device = str(select_device(config.model.device))
+    peer's KV must match). Its prefill attention as prefill.attention says."""
+    device = select_device(config.model.device)
+    config.model.device = str(device)
+    way = config.prefill.attention
+    if way == "flashinfer" and not flashinfer_prefill.runs_on(device):
+        raise KernelsMissing("prefill.attention = flashinfer needs FlashInfer installed (pyproject's hopper extra) "
+                             f"and a Hopper GPU; {device} has not both")
+    attention.hold_prefill_to(None if way == "auto" else way)
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
     if weights_from:
