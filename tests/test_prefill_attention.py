@@ -6,6 +6,7 @@ where keys precede the chunk, the masked SDPA) against SDPA's math backend."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -82,6 +83,33 @@ def test_per_head_fp8_keeps_each_head_within_e4m3_rounding():
     # e4m3 keeps 3 bits of mantissa: half an ulp is 2^-4 of a value; below its normal range, of the scale
     error = (restored - x.float()).abs()
     assert (error <= x.float().abs() * 2 ** -4 + scale[None, :, None] * 2 ** -9).all()
+
+
+def test_a_flashinfer_kernel_that_does_not_build_is_not_asked_for_again(monkeypatch, capsys):
+    """FlashInfer (absent here, so stood in for) builds its kernel at first use: where the build
+    fails (no nvcc, say) the prefill logs it once and attends without FlashInfer from then on."""
+    import types
+
+    asked = []
+
+    def failing_build(*args):
+        asked.append(args)
+        raise RuntimeError("Ninja build failed.\nnvcc: not found")
+
+    prefill = types.SimpleNamespace(get_single_prefill_module=failing_build)
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(prefill=prefill))
+    monkeypatch.setitem(sys.modules, "flashinfer.prefill", prefill)
+    flashinfer_prefill.builds.cache_clear()
+    try:
+        assert not flashinfer_prefill.builds(torch.bfloat16, 128)
+        assert not flashinfer_prefill.builds(torch.bfloat16, 128)
+        assert asked == [("fa3", torch.bfloat16, torch.bfloat16, torch.bfloat16, 128, 128, 0, False, False, False)]
+        captured = capsys.readouterr()
+        assert (captured.out + captured.err).count("does not build here") == 1
+        prefill.get_single_prefill_module = lambda *args: object()
+        assert flashinfer_prefill.builds(torch.float16, 64)
+    finally:
+        flashinfer_prefill.builds.cache_clear()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton interprets CPU tensors only without CUDA; "

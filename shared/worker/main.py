@@ -90,14 +90,8 @@ def load_model(config: Config, weights_from: str = "",
                tp: TensorParallel = SINGLE) -> tuple[PagedLlama, FinishCheck, ModelFingerprint]:
     """The model, loaded from its checkpoint (tp: this rank's shard of it) or mapped from the weights
     prefill `weights_from` publishes, the check that ends its requests, and its fingerprint (what a
-    peer's KV must match). Its prefill attention as prefill.attention says."""
-    device = select_device(config.model.device)
-    config.model.device = str(device)
-    way = config.prefill.attention
-    if way == "flashinfer" and not flashinfer_prefill.runs_on(device):
-        raise KernelsMissing("prefill.attention = flashinfer needs FlashInfer installed (pyproject's hopper extra) "
-                             f"and a Hopper GPU; {device} has not both")
-    attention.hold_prefill_to(None if way == "auto" else way)
+    peer's KV must match). The prefill's attention is held as prefill.attention says."""
+    config.model.device = str(select_device(config.model.device))
     checkpoint = resolve_checkpoint(config.model.path, config.model.cache_dir)
     hf_config = load_hf_config(checkpoint)
     if weights_from:
@@ -108,10 +102,21 @@ def load_model(config: Config, weights_from: str = "",
         model = load_paged_llama(checkpoint, config.model.dtype, config.model.device, config.model.quantization, tp)
     quantization = model.weights.quantization
     log.info("model loaded", checkpoint=str(checkpoint), layers=model.num_layers, quantization=quantization)
+    _hold_prefill_attention(config.prefill.attention, model)
     fingerprint = model_fingerprint(checkpoint, str(model.embed.dtype).removeprefix("torch."), quantization,
                                     model.num_layers, model.total_kv_heads, model.head_dim, config.kv.page_size,
                                     config.kv.dtype)
     return model, FinishCheck(frozenset(eos_token_ids(hf_config)), model.max_context), fingerprint
+
+
+def _hold_prefill_attention(way: str, model: PagedLlama) -> None:
+    """prefill.attention; flashinfer is refused where its kernel cannot run this model."""
+    if way == "flashinfer" and not (flashinfer_prefill.runs_on(model.device)
+                                    and flashinfer_prefill.builds(model.embed.dtype, model.head_dim)):
+        raise KernelsMissing("prefill.attention = flashinfer needs FlashInfer installed (pyproject's hopper extra), "
+                             f"a Hopper GPU and its kernel built for {model.embed.dtype} heads of {model.head_dim}; "
+                             f"{model.device} has not all three")
+    attention.hold_prefill_to(None if way == "auto" else way)
 
 
 def exit_on_error(main) -> None:
