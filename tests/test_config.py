@@ -257,3 +257,14 @@ def test_a_prefill_held_to_flashinfer_without_it_is_refused():
     assert refused.value.exit_code == 2
     with pytest.raises(ConfigError, match="must be auto, flashinfer, cudnn or sdpa"):
         load_config(None, {"PDSERVE_PREFILL_ATTENTION": "fa3"})
+
+
+def test_prefill_attention_names_the_ways_the_model_layer_has():
+    """shared/config.py imports nothing of the model layer, so its list of ways is written out: it
+    stays the attention module's ways and `auto`."""
+    from shared.model.attention import PREFILL_WAYS
+
+    for way in ("auto", *PREFILL_WAYS):
+        assert load_config(None, {"PDSERVE_PREFILL_ATTENTION": way}).prefill.attention == way
+    with pytest.raises(ConfigError, match="must be " + ", ".join(("auto", *PREFILL_WAYS[:-1])) + f" or {PREFILL_WAYS[-1]}"):
+        load_config(None, {"PDSERVE_PREFILL_ATTENTION": "none"})

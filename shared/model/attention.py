@@ -8,7 +8,8 @@ the H200 it ran at least as fast as cuDNN called directly, for the 8B's heads an
 a chunk after earlier keys is split in two and merged by log-sum-exp
 (shared/model/split_attention.py), both parts through cuDNN. Where neither runs (float32, a single
 key, MLA's unequal head dims for FlashInfer) and on the CPU, it is one SDPA call with the
-bottom-right mask (masked_attention). Which is fastest where: docs/BENCHMARKS.md, "prefill attention".
+bottom-right mask (masked_attention). Which is fastest where: docs/BENCHMARKS.md, "FlashInfer's Hopper
+prefill attention".
 
 paged_decode_attention: one new token per sequence against its pages; on a GPU the Triton kernel
 reads the pages in place and dequantizes quantized ones in registers
