@@ -1,5 +1,5 @@
-"""The long-prompt benchmark end to end on the CPU with the embedded model: one small prompt through
-the real stack, in chunks, with int8 pages; its report's fields present and consistent."""
+"""The long-prompt benchmark end to end on the CPU with the embedded model: two small prompts through
+one real stack, in chunks, with int8 pages; its report's fields present and consistent."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from loadtest.lib.model_costs import attention_flops, kv_token_bytes, linear_flops, model_shape, prefill_flops
 from tests.stack import REPO
 
 
 def test_the_512k_preset_has_the_8b_shape_and_int8_pages_of_67584_bytes_a_token():
-    import torch
-
     model = model_shape("random:llama-3.1-8b-512k", torch.bfloat16)
     assert model.max_context == 524288 and tuple(model.cos.shape) == (524288, 128)
     assert kv_token_bytes(model, "int8", 16) == 67584
@@ -24,8 +23,6 @@ def test_the_512k_preset_has_the_8b_shape_and_int8_pages_of_67584_bytes_a_token(
 
 def test_the_512k_prompts_bound_is_mostly_causal_attention():
     """The figures of issue 22: 79.4 PFLOP, of which causal attention 72.0 and the linears 7.3."""
-    import torch
-
     model = model_shape("random:llama-3.1-8b-512k", torch.bfloat16)
     tokens = 524224
     assert prefill_flops(model, tokens) == linear_flops(model, tokens) + attention_flops(model, tokens)
@@ -34,24 +31,36 @@ def test_the_512k_prompts_bound_is_mostly_causal_attention():
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_one_chunked_prompt_reports_ttft_beside_its_bound_and_the_decode_beside_its_floor(checkpoint, tmp_path):
+def test_chunked_prompts_through_one_stack_report_ttft_beside_their_bound_and_the_decode_beside_its_floor(
+        checkpoint, tmp_path):
     out = tmp_path / "long.json"
-    command = [sys.executable, "-m", "loadtest.stack.bench_long_prompt", "--device", "cpu", "--tokens", "256",
+    command = [sys.executable, "-m", "loadtest.stack.bench_long_prompt", "--device", "cpu", "--tokens", "256,96",
                "--output-tokens", "4", "--chunk-tokens", "128", "--kv-dtype", "int8", "--out", str(out),
                "--start-timeout-s", "180", "--request-timeout-s", "120"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
     assert json.loads(done.stdout) == report
-    assert report["tokens"] == 256 and report["output_tokens"] == 4 and report["kv_dtype"] == "int8"
-    assert report["pool_pages"] == 17  # 260 tokens in pages of 16
+    assert report["kv_dtype"] == "int8" and report["pool_pages"] == 17  # the longest: 260 tokens in pages of 16
     assert report["rates"]["matmul_tflops"] > 0 and report["rates"]["measured"].startswith("cpu")
-    prefill = report["prefill"]
-    assert prefill["ttft_s"] > 0 and prefill["bound_s"] > 0 and prefill["flops"] > 0
-    assert prefill["ttft_over_bound"] == pytest.approx(prefill["ttft_s"] / prefill["bound_s"])
-    assert prefill["linear_bound_s"] + prefill["attention_bound_s"] == pytest.approx(prefill["bound_s"])
-    timings = prefill["stage_timings_s"]
-    assert 0 < timings["prefill_compute_s"] <= timings["first_token_s"] <= prefill["ttft_s"]
-    decode = report["decode"]
-    assert decode["steps"] == 2 and decode["floor_ms"] > 0 and decode["ms_per_token_p50"] > 0
-    assert decode["mean_context"] == 256 + 4 / 2
+    assert [(p["tokens"], p["output_tokens"]) for p in report["prompts"]] == [(256, 4), (96, 4)]
+    model = model_shape(checkpoint, torch.float32)
+    for tokens, prompt in zip((256, 96), report["prompts"]):
+        prefill = prompt["prefill"]
+        assert prefill["ttft_s"] > 0 and prefill["bound_s"] > 0
+        assert prefill["flops"] == prefill_flops(model, tokens)
+        assert prefill["ttft_over_bound"] == pytest.approx(prefill["ttft_s"] / prefill["bound_s"])
+        assert prefill["linear_bound_s"] + prefill["attention_bound_s"] == pytest.approx(prefill["bound_s"])
+        timings = prefill["stage_timings_s"]
+        assert 0 < timings["prefill_compute_s"] <= timings["first_token_s"] <= prefill["ttft_s"]
+        decode = prompt["decode"]
+        assert decode["steps"] == 2 and decode["floor_ms"] > 0 and decode["ms_per_token_p50"] > 0
+        assert decode["mean_context"] == tokens + 4 / 2
+
+
+def test_token_counts_are_a_comma_separated_list():
+    from loadtest.stack.bench_long_prompt import parse_args
+
+    assert parse_args(["--device", "cpu", "--tokens", "8192,131072"]).tokens == [8192, 131072]
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--tokens", "8K"])

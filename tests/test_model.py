@@ -194,23 +194,25 @@ def test_the_gpu_prefills_fused_quantized_write_equals_the_cpu_path():
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_the_gpu_prefills_fused_layers_equal_the_cpu_path(kv_dtype):
-    """The GPU's prefill layer (Triton RMSNorm, RoPE with the KV write, SiLU; here interpreted)
+    """The GPU's prefill layer (Triton RMSNorm, RoPE with the KV write, SiLU; here interpreted), with
+    the residual adds in the matmuls and apart (as FP8 weights and tensor parallelism have them),
     against the CPU's, on a prompt in chunks after a cached prefix: the same logits and the same
     pages, within float32 rounding."""
     tiny = load_paged_llama("random:llama-tiny", "float32", "cpu")
     prompt, pages = list(range(3, 44)), [4, 1, 6]
     runs = {}
-    for fused in (False, True):
+    for fused, adds_in_matmuls in ((False, True), (True, True), (True, False)):
         pool = quantized_pool(tiny, kv_dtype, 8) if kv_dtype != "float32" else allocate_local_pool(
             tiny.kv_layout(8, 16), "cpu")[0]
         tiny.fused_prefill = False
         tiny.prefill(prompt[:16] + [7], pool, pages[:2])  # the cached prefix: page 4
-        tiny.fused_prefill = fused
-        runs[fused] = tiny.prefill(prompt, pool, pages, chunk_tokens=10, start=16), pool
-    (plain, plain_pool), (fused, fused_pool) = runs[False], runs[True]
-    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused_pool.kv.float(), plain_pool.kv.float(), atol=1.0 if kv_dtype == "int8" else 1e-5,
-                               rtol=1e-5)
+        tiny.fused_prefill, tiny.adds_in_matmuls = fused, adds_in_matmuls
+        runs[fused, adds_in_matmuls] = tiny.prefill(prompt, pool, pages, chunk_tokens=10, start=16), pool
+    plain, plain_pool = runs.pop((False, True))
+    for fused, fused_pool in runs.values():
+        torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fused_pool.kv.float(), plain_pool.kv.float(),
+                                   atol=1.0 if kv_dtype == "int8" else 1e-5, rtol=1e-5)
 
 
 def test_random_preset_builds_the_8b_shape():

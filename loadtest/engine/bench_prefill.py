@@ -10,6 +10,8 @@ CHUNK tokens (0: whole), these ways in one run:
 - fused_masked: the prefill now with its attention held to that same masked SDPA call
   (attention.hold_prefill_to("sdpa")): what the fused kernels and the layer-by-layer staging change alone;
 - cudnn: the prefill now with its attention held to cuDNN (a chunk after earlier keys split in two);
+- adds_apart: the prefill now with its residual adds out of the matmuls (PagedLlama.adds_in_matmuls off):
+  the first with the post-attention norm, the second a kernel of its own, as before they moved there;
 - chosen: the prefill now (FlashInfer's Hopper kernel where it is installed, else as cudnn).
 Each is the median of --repeats runs after one warm-up (fewer for long prompts: --long-repeats),
 with its last-position logits beside today's, and beside the bound: the prompt's matmul FLOPs (linear layers plus causal attention,
@@ -83,8 +85,16 @@ def ways(model: PagedLlama, pool, chunk: int) -> dict:
                 attention.hold_prefill_to(None)
         return run
 
+    def adds_apart(ids, pages):
+        model.adds_in_matmuls = False
+        try:
+            return model.prefill(ids, pool, pages, chunk)
+        finally:
+            model.adds_in_matmuls = True
+
     return {"today": lambda ids, pages: todays_prefill(model, ids, pool, pages, chunk),
-            "fused_masked": held_to("sdpa"), "cudnn": held_to("cudnn"), "chosen": held_to(None)}
+            "fused_masked": held_to("sdpa"), "cudnn": held_to("cudnn"), "adds_apart": adds_apart,
+            "chosen": held_to(None)}
 
 
 def chunks_of(tokens: int, chunk: int) -> list[tuple[int, int]]:

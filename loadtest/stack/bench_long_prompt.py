@@ -3,12 +3,14 @@ decode's step at that context beside its memory floor (JSON on stdout).
 
     python -m loadtest.stack.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--quantization fp8]
                                                [--out FILE]
+    python -m loadtest.stack.bench_long_prompt --tokens 8192,131072 ...   # several prompts, one stack
 
 The stack is the real one (services/stack/local.py: router, one prefill, one decode; on a GPU the
 decode maps the prefill's weights), with both KV pools sized to the prompt plus its output, the
-router's limits opened to its bytes and its timeouts to its length. One prompt of random token ids
-goes through gRPC as prompt_token_ids, EOS ignored, after a warm-up prompt of two chunks (so the
-first-call costs and the path of a chunk attending to earlier pages are paid before).
+router's limits opened to its bytes and its timeouts to its length. Each prompt of random token ids
+goes through gRPC as prompt_token_ids, EOS ignored, one after another, after a warm-up prompt of two
+chunks (so the first-call costs and the path of a chunk attending to earlier pages are paid before).
+With several lengths the stack is sized for the longest and started once.
 
 In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
@@ -85,12 +87,12 @@ def device_rates(device: str, quantization: str) -> dict:
 
 def stack_settings(args, pages: int) -> dict[str, str]:
     """On a GPU, the stack's settings there (loadtest/lib/stack_settings.py); then pools of `pages`,
-    and the limits and timeouts of the router opened to one prompt of args.tokens taking up to
-    args.request_timeout_s."""
+    and the limits and timeouts of the router opened to one prompt of the longest length taking up
+    to args.request_timeout_s."""
     base = {"PDSERVE_MODEL_DEVICE": args.device}
     if args.device.startswith("cuda"):  # one request: one graph, batch 1
         base = gpu_stack_settings(args.model, SERVICES) | base | {"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1"}
-    timeout = str(args.request_timeout_s)
+    timeout, tokens = str(args.request_timeout_s), max(args.tokens)
     return base | {
         "PDSERVE_MODEL_PATH": args.model, "PDSERVE_MODEL_QUANTIZATION": args.quantization,
         "PDSERVE_KV_DTYPE": args.kv_dtype,
@@ -98,9 +100,9 @@ def stack_settings(args, pages: int) -> dict[str, str]:
         "PDSERVE_PREFILL_CHUNK_TOKENS": str(args.chunk_tokens),
         # Random prompts share nothing; without the cache the warm-up's pages go back to the pool.
         "PDSERVE_PREFILL_PREFIX_CACHE": "false",
-        "PDSERVE_ROUTER_MAX_PROMPT_BYTES": str(max(RouterConfig.max_prompt_bytes, 4 * args.tokens)),
+        "PDSERVE_ROUTER_MAX_PROMPT_BYTES": str(max(RouterConfig.max_prompt_bytes, 4 * tokens)),
         "PDSERVE_ROUTER_MAX_REQUEST_BYTES": str(max(RouterConfig.max_request_bytes,
-                                                    GRPC_BYTES_PER_TOKEN_ID * args.tokens + 65536)),
+                                                    GRPC_BYTES_PER_TOKEN_ID * tokens + 65536)),
         # One prefill chunk late in a long prompt is one step of the prefill's loop.
         "PDSERVE_ROUTER_PREFILL_TIMEOUT_S": timeout, "PDSERVE_ROUTER_PROGRESS_TIMEOUT_S": timeout,
     }
@@ -141,8 +143,9 @@ def run(args) -> dict:
     print(f"rates: {rates}", file=sys.stderr)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     page_size = KvConfig.page_size
-    pages = args.kv_pages or decode_pages_needed(args.tokens, args.output_tokens, page_size)
+    pages = args.kv_pages or decode_pages_needed(max(args.tokens), args.output_tokens, page_size)
     rng = random.Random(0)
+    records = []
     with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR,
                                                               start_timeout_s=args.start_timeout_s,
                                                               **stack_settings(args, pages)) as stack:
@@ -151,21 +154,25 @@ def run(args) -> dict:
         if args.warmup_tokens:
             warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
             asyncio.run(one_prompt(stack.address, warm, min(3, args.output_tokens), args.request_timeout_s))
-        prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
-        try:
-            record = asyncio.run(one_prompt(stack.address, prompt, args.output_tokens, args.request_timeout_s))
-        except RuntimeError:  # the services' logs go with the work folder: their last lines say why
-            for name in stack.processes:
-                print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
-            raise
+        for tokens in args.tokens:
+            prompt = [rng.randrange(vocab) for _ in range(tokens)]
+            try:
+                records.append(asyncio.run(one_prompt(stack.address, prompt, args.output_tokens,
+                                                      args.request_timeout_s)))
+            except RuntimeError:  # the services' logs go with the work folder: their last lines say why
+                for name in stack.processes:
+                    print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
+                raise
     kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
     return {
-        "model": args.model, "device": args.device, "tokens": args.tokens, "output_tokens": record.tokens,
-        "quantization": args.quantization, "kv_dtype": args.kv_dtype, "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
+        "model": args.model, "device": args.device, "quantization": args.quantization, "kv_dtype": args.kv_dtype,
+        "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
         "pool_pages": pages, "page_size": page_size, "pool_gb": pages * page_size * kv_bytes / 1e9,
         "rates": rates,
-        "prefill": prefill_report(record, model, args.tokens, rates),
-        "decode": decode_report(record, model, args.tokens, kv_bytes, rates["copy_bandwidth_gbs"]),
+        "prompts": [{"tokens": tokens, "output_tokens": record.tokens,
+                     "prefill": prefill_report(record, model, tokens, rates),
+                     "decode": decode_report(record, model, tokens, kv_bytes, rates["copy_bandwidth_gbs"])}
+                    for tokens, record in zip(args.tokens, records)],
     }
 
 
@@ -173,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_long_prompt")
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", help="default: random:llama-3.1-8b-512k on a GPU, embedded on the CPU")
-    parser.add_argument("--tokens", type=int, default=131072, help="prompt tokens")
+    parser.add_argument("--tokens", type=token_counts, default=[131072],
+                        help="prompt tokens; several, comma-separated, go through one stack in turn")
     parser.add_argument("--output-tokens", type=int, default=64, help="generated, EOS ignored")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "int8", "float8_e4m3"))
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="model.quantization")
@@ -188,19 +196,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.model = args.model or ("random:llama-3.1-8b-512k" if args.device.startswith("cuda") else "embedded")
-    if args.warmup_tokens is None:
-        args.warmup_tokens = min(args.tokens, 2 * args.chunk_tokens) if args.chunk_tokens else min(args.tokens, 1024)
-    if args.tokens < 1 or args.output_tokens < 1:
+    if min(args.tokens) < 1 or args.output_tokens < 1:
         parser.error("--tokens and --output-tokens must be positive")
+    if args.warmup_tokens is None:
+        longest = max(args.tokens)
+        args.warmup_tokens = min(longest, 2 * args.chunk_tokens) if args.chunk_tokens else min(longest, 1024)
     return args
+
+
+def token_counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts") from None
 
 
 def main() -> None:
     args = parse_args()
     context = load_hf_config(resolve_checkpoint(args.model, MODEL_CACHE_DIR)).max_position_embeddings
-    if args.tokens + args.output_tokens > context:
-        sys.exit(f"--tokens + --output-tokens ({args.tokens + args.output_tokens}) exceed {args.model}'s context "
-                 f"of {context}")
+    if max(args.tokens) + args.output_tokens > context:
+        sys.exit(f"--tokens + --output-tokens ({max(args.tokens) + args.output_tokens}) exceed {args.model}'s "
+                 f"context of {context}")
     emit(run(args), args.out)
 
 

@@ -77,6 +77,9 @@ class PagedLlama:
         self.fp8_query = False
         # The prefill's fused Triton kernels run on the GPU (tests run them on the CPU, interpreted).
         self.fused_prefill = self.device.type == "cuda"
+        # There, the residual adds inside the matmuls where they can be (_output_and_mlp_fused);
+        # benchmarks compare it with the adds apart.
+        self.adds_in_matmuls = True
 
     @classmethod
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
@@ -192,10 +195,11 @@ class PagedLlama:
         staged.write(begin, *mla.expand(layer.mla, latent))
         out = attention.prefill_attention(torch.cat([q_nope, q_rope], dim=-1), staged.k[:end], staged.v[:end],
                                           self.scale)
-        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
         if self.fused_prefill:
-            self._mlp_block_fused(layer, attn, x)
+            self._output_and_mlp_fused(layer, out.reshape(len(x), -1), x)
         else:
+            attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale,
+                                             layer.o_proj_bias))
             x.copy_(self._mlp_block(layer, x + attn))
 
     def _layer_chunk(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int, positions: torch.Tensor,
@@ -213,26 +217,38 @@ class PagedLlama:
     def _layer_chunk_fused(self, layer: LayerWeights, index: int, x: torch.Tensor, begin: int,
                            positions: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], pool: PagedKvPool,
                            staged: PromptKv) -> None:
-        """The same with the GPU's fused Triton kernels between the matmuls, as the decode step has
-        them (RMSNorm with the residual add, RoPE with the KV write, SiLU with the gate product):
-        between two matmuls one pass over the activations instead of several."""
+        """The same with the GPU's fused Triton kernels between the matmuls (RoPE with the KV write,
+        SiLU with the gate product, the residual adds in the matmuls: _output_and_mlp_fused): between
+        two matmuls one pass over the activations instead of several."""
         end = begin + len(x)
         q, v = self._fused_qkv(layer, x, positions, pool, index, *slots, staged.k[begin:end])
         staged.v[begin:end] = v
         out = attention.prefill_attention(q, staged.k[:end], staged.v[:end], self.scale, self.windows[index])
-        attn = self.tp.all_reduce(linear(out.reshape(len(x), -1), layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
-        self._mlp_block_fused(layer, attn, x)
+        self._output_and_mlp_fused(layer, out.reshape(len(x), -1), x)
 
-    def _mlp_block_fused(self, layer: LayerWeights, attn: torch.Tensor, x: torch.Tensor) -> None:
-        """x += attn, then x += the MLP of its post-attention norm, x overwritten: the residual add
-        and the norm in one Triton kernel, SiLU with the gate product in another."""
-        hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
-        if layer.moe is not None:
-            mlp = self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused()))
+    def _output_and_mlp_fused(self, layer: LayerWeights, out: torch.Tensor, x: torch.Tensor) -> None:
+        """x += o_proj(out), then x += the MLP of its post-attention norm, x overwritten; SiLU with the
+        gate product in one Triton kernel. On one rank with unquantized weights both adds happen in
+        the matmuls (addmm_: the BLAS adds x as it writes the product, the sum rounded once), so no
+        kernel reads and writes the residual stream just to add; otherwise the first add goes with
+        the norm (add_rms_norm) and the second is its own kernel."""
+        in_matmul = (self.adds_in_matmuls and self.tp.size == 1 and layer.o_proj_scale is None
+                     and layer.o_proj_bias is None)
+        if in_matmul:
+            x.addmm_(out, layer.o_proj.t())
+            hidden, residual = fused_triton.rms_norm(x, layer.post_norm, self.eps), x
         else:
-            gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
-            mlp = self.tp.all_reduce(linear(fused_triton.silu_and_mul(gate_up), layer.down, layer.down_scale))
-        torch.add(residual, mlp, out=x)
+            attn = self.tp.all_reduce(linear(out, layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
+            hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
+        if layer.moe is not None:
+            torch.add(residual, self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused())),
+                      out=x)
+            return
+        act = fused_triton.silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_scale))
+        if in_matmul:
+            x.addmm_(act, layer.down.t())
+        else:
+            torch.add(residual, self.tp.all_reduce(linear(act, layer.down, layer.down_scale)), out=x)
 
     def _fused_qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, pool: PagedKvPool,
                    index: int, pages: torch.Tensor, offsets: torch.Tensor, k_out: torch.Tensor):
