@@ -51,6 +51,19 @@ def matmul_tflops() -> float:
     return 2 * 8192 ** 3 / (best / 1e3) / 1e12
 
 
+def sustained_matmul_tflops(seconds: float = 2.0) -> float:
+    """The same matmul back to back for `seconds` after as long again to reach the board's power limit:
+    a burst (matmul_tflops) runs at the top clock, while a prefill long enough to draw the limit runs
+    at the clock the limit leaves (an H100 at 700 W: 1,980 MHz falls to about 1,320,
+    docs/results/h100_linears_sustained_clocks.json). Bounds at both rates bracket what a prompt can take."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    one_ms = cuda_time_ms(lambda: a @ b, 3)[1]
+    calls = max(1, int(seconds * 1e3 / one_ms))
+    total_ms = cuda_time_ms(lambda: [a @ b for _ in range(calls)], 1, warmup=1)[0]
+    return 2 * 8192 ** 3 * calls / (total_ms / 1e3) / 1e12
+
+
 def fp8_matmul_tflops() -> float:
     """An e4m3 8192^3 torch._scaled_mm with a scale per row and per column, bf16 out, best of 10."""
     a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
