@@ -59,13 +59,10 @@ def sustained_matmul_tflops(seconds: float = 2.0) -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b, c = torch.randn_like(a), torch.empty_like(a)
 
-    def back_to_back():
-        for _ in range(calls):
-            torch.matmul(a, b, out=c)
-    calls = 1
-    calls = max(1, int(seconds * 1e3 / cuda_time_ms(back_to_back, 3)[1]))
-    total_ms = cuda_time_ms(back_to_back, 1, warmup=1)[0]
-    return 2 * 8192 ** 3 * calls / (total_ms / 1e3) / 1e12
+    def back_to_back_ms(calls: int) -> float:  # timed after as many calls again
+        return cuda_time_ms(lambda: [torch.matmul(a, b, out=c) for _ in range(calls)], 1, warmup=1)[0]
+    calls = max(1, int(seconds * 1e3 / back_to_back_ms(1)))
+    return 2 * 8192 ** 3 * calls / (back_to_back_ms(calls) / 1e3) / 1e12
 
 
 def fp8_matmul_tflops() -> float:
