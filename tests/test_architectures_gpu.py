@@ -12,8 +12,10 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
+from services.prefill.warmup import warmup_prompts
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
+from shared.model.llama import PagedLlama
 from tests.reference import assert_matches_reference, reference_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -97,3 +99,26 @@ def test_greedy_tokens_equal_transformers_on_the_gpu(hf):
         tokens.append(token)
     expected, reference_logits = reference_greedy(hf, prompt, steps)
     assert_matches_reference(tokens, expected, reference_logits, "greedy tokens on the GPU")
+
+
+def test_after_the_warmup_no_prompt_compiles_a_kernel(hf):
+    """services/prefill/warmup.py's prompts compile every kernel variant the prefill reaches: prompts of
+    other lengths, whole, in chunks and after a cached prefix, compile nothing more (a compile during
+    a request holds the GIL and silences the worker's heartbeat thread)."""
+    import triton
+
+    model, pages = PagedLlama.from_hf(hf, "cuda:0"), 64
+    pool = allocate_local_pool(model.kv_layout(pages, PAGE), "cuda:0")[0]
+    for warmup in warmup_prompts(model, PAGE, pages, 0, True):
+        model.prefill(warmup.prompt, pool, warmup.pages, start=warmup.start)
+    torch.cuda.synchronize()
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **hook: compiled.append(hook["repr"])
+    try:
+        for length, chunk, start in ((1, 0, 0), (7, 0, 0), (100, 0, 0), (513, 0, 0), (700, 256, 0), (700, 0, 17),
+                                     (45, 0, 32)):
+            model.prefill(list(range(3, 3 + length)), pool, list(range(pages_for(length, PAGE))), chunk, start=start)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []

@@ -30,6 +30,7 @@ import torch
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
 from services.prefill.rank_pools import export_rank_pool
+from services.prefill.warmup import warmup_prompts
 from shared.config import Config
 from shared.control import wire
 from shared.control.dispatch import FatalError
@@ -109,15 +110,12 @@ class PrefillWorker(WorkerLoop):
             serve_worker_metrics(config.prefill.metrics_address, config.model.device)
 
     def _compile_prefill_kernels(self) -> None:
-        """Runs a two-page prompt, whole and after a cached first page, before registering, so that
-        no request pays for compiling their kernels: a compile holds the GIL for seconds, long
-        enough to silence the heartbeat thread (the router saw a prefill's heartbeats stop at
-        its first cache hit). Pages 0 and 1 are free: nothing is allocated yet."""
-        prompt, pages = [1] * (2 * self.page_size), [0, 1]
+        """Runs services/prefill/warmup.py's prompts before registering, so that no request pays for
+        compiling a kernel, which would silence the heartbeat thread."""
         with on_stream(self.stream):
-            self._run_prompt(prompt, pages, 0, lambda: None)
-            if self.use_cache:
-                self._run_prompt(prompt, pages, self.page_size, lambda: None)
+            for warmup in warmup_prompts(self.model, self.page_size, self.cache.num_pages, self.chunk_tokens,
+                                         self.use_cache):
+                self._run_prompt(warmup.prompt, warmup.pages, warmup.start, lambda: None)
         torch.cuda.synchronize(self.model.device)
 
     def _run_prompt(self, prompt: list[int], pages: list[int], start: int, between_chunks) -> torch.Tensor:

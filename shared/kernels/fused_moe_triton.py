@@ -44,7 +44,9 @@ _ALIGN_TILE = 4096
 
 if triton is not None:
 
-    @triton.jit
+    # num_pairs is the chunk's tokens times k: unspecialized, so that no prompt length compiles the
+    # kernels again during a request (services/prefill/warmup.py); only the configs differ.
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _grouped_gemm_kernel(
         a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, expert_of_block_ptr, pair_weights_ptr,
         num_pairs, num_experts, N, K, pairs_per_a_row,
@@ -78,7 +80,7 @@ if triton is not None:
         out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _align_kernel(ids_ptr, sorted_pairs_ptr, expert_of_block_ptr, num_pairs, num_experts, length,
                       BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
         """align_pairs_by_expert in one program, ROWS pairs or slots at a time against every expert:
@@ -125,6 +127,11 @@ if triton is not None:
 def block_config(num_pairs: int, num_experts: int) -> dict:
     """The tile sizes for T*k = num_pairs routed pairs over num_experts experts."""
     return LONG_RUN_CONFIG if num_pairs >= _LONG_RUN_PAIRS * num_experts else SHORT_RUN_CONFIG
+
+
+def long_run_tokens(num_experts: int, top_k: int) -> int:
+    """The fewest tokens whose pairs take LONG_RUN_CONFIG."""
+    return -(-_LONG_RUN_PAIRS * num_experts // top_k)
 
 
 def padded_length(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -34,7 +34,7 @@ _NORM_COLS_PER_WARP = 256
 # rope_write_kv's rows per program from this many rows on: a prefill chunk's one-row programs (a
 # 1-warp program per row and head, 330K of them for 8K rows of the 8B) took ten times their bytes'
 # worth (docs/BENCHMARKS.md, Prefill); a decode step's few rows keep one row a program.
-_ROPE_BLOCKED_FROM_ROWS, _ROPE_ROWS_PER_PROGRAM = 512, 16
+ROPE_BLOCKED_FROM_ROWS, _ROPE_ROWS_PER_PROGRAM = 512, 16
 
 
 if triton is not None:
@@ -86,7 +86,9 @@ if triton is not None:
         rot_sin = (x_rot * sin).to(x.dtype).to(tl.float32)
         return (x_cos + rot_sin).to(x.dtype)
 
-    @triton.jit
+    # `rows` is a prefill chunk's length: specialized, a length that is not a multiple of 16 (or is 1)
+    # would compile the kernel again during a request, holding the GIL (services/prefill/warmup.py).
+    @triton.jit(do_not_specialize=["rows"])
     def _rope_write_kv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, pos_ptr, page_ptr, offset_ptr,
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr,
@@ -250,7 +252,7 @@ def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
 
 
 def rope_rows_per_program(rows: int) -> int:
-    return _ROPE_ROWS_PER_PROGRAM if rows >= _ROPE_BLOCKED_FROM_ROWS else 1
+    return _ROPE_ROWS_PER_PROGRAM if rows >= ROPE_BLOCKED_FROM_ROWS else 1
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.control.messages import KvLayout
-from shared.kernels import fused_triton, kv_quant
+from shared.kernels import fused_moe_triton, fused_triton, kv_quant
 from shared.kv.heads import kv_heads_of
 from shared.kv.pool import PagedKvPool, make_layout
 from shared.kv.prompt_kv import PromptKv
@@ -91,6 +91,16 @@ class PagedLlama:
         the default, keeps them unquantized in the model's own dtype)."""
         return make_layout(self.num_layers, num_pages, page_size, self.num_kv_heads, self.head_dim,
                            kv_quant.storage_dtype(kv_dtype, self.embed.dtype), 1 if self.mla else 2)
+
+    def prefill_variant_rows(self) -> list[int]:
+        """The chunk lengths from which the GPU prefill's kernels take another compiled variant (RoPE's
+        blocked rows; with experts, their long-run tiles). Lengths within a variant compile nothing
+        new: the kernels take them unspecialized (services/prefill/warmup.py)."""
+        rows = {fused_triton.ROPE_BLOCKED_FROM_ROWS}
+        moe = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+        if moe is not None:
+            rows.add(fused_moe_triton.long_run_tokens(moe.gate_up.shape[0], self.routing.top_k))
+        return sorted(rows)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps)
