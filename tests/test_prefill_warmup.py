@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from services.prefill.warmup import warmup_prompts
+from services.prefill.warmup import other_ranges, warmup_prompts
 from shared.kernels import fused_triton
 from shared.model.llama import PagedLlama, load_paged_llama
 
@@ -45,3 +45,12 @@ def test_experts_add_the_first_length_of_their_long_run_tiles():
     assert model.prefill_variant_rows() == [128, 512]
     assert lengths(warmup_prompts(model, PAGE, 64, 0, False)) == [(32, 0), (128, 0), (512, 0)]
     assert lengths(warmup_prompts(model, PAGE, 64, 200, False)) == [(32, 0), (128, 0)]
+
+
+def test_a_range_below_the_short_prompt_gets_a_prompt_of_its_own():
+    """With the first boundary at or below the short prompt's 32 tokens, shorter prompts take another
+    variant: one token stands for them."""
+    assert other_ranges([32, 512], 32) == [1, 512]
+    assert other_ranges([20, 512], 32) == [1, 512]
+    assert other_ranges([128, 512], 32) == [128, 512]
+    assert other_ranges([], 32) == []

@@ -28,13 +28,20 @@ class Warmup:
 
 def warmup_prompts(model: PagedLlama, page_size: int, num_pages: int, chunk_tokens: int,
                    prefix_cache: bool) -> list[Warmup]:
-    """A two-page prompt, again after a cached first page with the prefix cache on, then a prompt of
-    each variant's first length that a chunk reaches (chunk_tokens, 0: whole) and the pool holds.
-    Every page is free when they run: nothing is allocated before registering."""
+    """A two-page prompt, again after a cached first page with the prefix cache on, then one prompt in
+    each other range of lengths that shares every kernel variant (PagedLlama.prefill_variant_rows),
+    where a chunk reaches it (chunk_tokens, 0: whole) and the pool holds it. Every page is free when
+    they run: nothing is allocated before registering."""
     short = Warmup([TOKEN] * 2 * page_size, [0, 1], 0)
     prompts = [short, Warmup(short.prompt, short.pages, page_size)] if prefix_cache else [short]
-    for rows in model.prefill_variant_rows():
+    for rows in other_ranges(model.prefill_variant_rows(), len(short.prompt)):
         pages = pages_for(rows, page_size)
-        if (not chunk_tokens or rows <= chunk_tokens) and pages <= num_pages and rows > len(short.prompt):
+        if (not chunk_tokens or rows <= chunk_tokens) and pages <= num_pages:
             prompts.append(Warmup([TOKEN] * rows, list(range(pages)), 0))
     return prompts
+
+
+def other_ranges(boundaries: list[int], short: int) -> list[int]:
+    """The first length of each range [1, b0), [b0, b1), ..., [bn, ...) that does not hold `short`."""
+    ranges = zip([1, *boundaries], [*boundaries, None])
+    return [start for start, end in ranges if not (start <= short and (end is None or short < end))]
