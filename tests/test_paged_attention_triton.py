@@ -299,7 +299,9 @@ def test_quantized_bf16_cuda_large(kv_dtype):
 @pytest.mark.gpu
 @compiled_gpu
 @pytest.mark.parametrize("tiling", [Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 8, 2), Tiling(32, 4, 3),
-                                    Tiling(128, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True)], ids=str)
+                                    Tiling(128, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True),
+                                    Tiling(64, 4, 5), Tiling(64, 4, 7), Tiling(128, 4, 5), Tiling(128, 4, 7)],
+                         ids=str)
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "e4m3"])
 def test_benchmarked_tilings_cuda(tiling, kv_dtype):
     """Every tiling loadtest/engine/bench_decode_attention.py times computes the same, compiled."""

@@ -1,12 +1,14 @@
 """GPU benchmark of the decode attention kernel alone, per KV format, mode, tiling and split count (JSON on stdout).
 
-    python3 -m loadtest.engine.bench_decode_attention [--baseline FILE] [--shapes b32_8k,b1_1k,b1_512k] [--out FILE]
+    python3 -m loadtest.engine.bench_decode_attention [--baseline FILE] [--shapes b32_8k,b1_1k,b1_512k]
+        [--tilings 128x4w2s,128x4w5s] [--out FILE]
 
 A step's attention: one call per layer of a 32-layer pool of the 8B shape (8 kv heads of 128, 32
 query heads), all 32 in one CUDA graph, the median of 20 replays, beside its floor (the K, V and
 scales those calls read, at the copy bandwidth measured in the same run). The page table is as wide
 as the decode worker's (the model's context), so the split count is the one serving chooses. For
-each shape and kv.dtype: the kernel as shipped; each tiling of TILINGS and each split count of
+each shape and kv.dtype: the kernel as shipped; each tiling of TILINGS (or of --tilings, named
+BLOCK_NxWARPSwSTAGESs, "_on_load" for convert_on_load) and each split count of
 SPLITS in place of its own; the splits merged by their last program and by a launch of their
 own; the FP8-query mode on float8_e4m3 pages; and, with --baseline (a file
 of an earlier shared/kernels/paged_attention_triton.py, loadtest/lib/baseline_attention.py), the
@@ -16,6 +18,7 @@ earlier kernel on the same pages: the before and after of one run.
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
@@ -61,12 +64,24 @@ def step_attention(pool, q: torch.Tensor, table: torch.Tensor, seq_lens: torch.T
                    pool.value_scale(i)) for i in range(LAYERS)]
 
 
-def variants(shape: str, kv_dtype: str, baseline) -> dict:
+def tiling_name(tiling: Tiling) -> str:
+    name = f"{tiling.block_n}x{tiling.num_warps}w{tiling.num_stages}s"
+    return f"{name}_on_load" if tiling.convert_on_load else name
+
+
+def parse_tiling(name: str) -> Tiling:
+    """A tiling from its tiling_name."""
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(_on_load)?", name)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"tiling {name!r}: BLOCK_NxWARPSwSTAGESs[_on_load] expected")
+    return Tiling(int(match[1]), int(match[2]), int(match[3]), match[4] is not None)
+
+
+def variants(shape: str, kv_dtype: str, baseline, tilings: tuple[Tiling, ...]) -> dict:
     """name -> the kernel's call, as shipped and with one choice changed."""
     out = {"shipped": paged_decode_attention}
-    for tiling in TILINGS:
-        name = f"tiling_{tiling.block_n}x{tiling.num_warps}w{tiling.num_stages}s"
-        out[f"{name}_converted_on_load" if tiling.convert_on_load else name] = _with(tiling=tiling)
+    for tiling in tilings:
+        out[f"tiling_{tiling_name(tiling)}"] = _with(tiling=tiling)
     for splits in SPLITS[shape]:
         out[f"splits_{splits}"] = _with(num_splits=splits)
     for merge_here in (True, False):
@@ -83,7 +98,7 @@ def _with(**options):
     return lambda *args: paged_decode_attention(*args, **options)
 
 
-def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline) -> list[dict]:
+def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline, tilings: tuple[Tiling, ...]) -> list[dict]:
     batch, context, width = SHAPES[shape]
     per_request = pages_for(context, PAGE_SIZE)
     pool, _buffer = filled_pool(kv_dtype, batch * per_request)
@@ -93,7 +108,7 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float, baseline) -> li
     q = torch.randn((batch, HEADS, HEAD_DIM), dtype=torch.bfloat16, device="cuda")
     floor_ms = batch * context * token_bytes(pool.layout) / (bandwidth_gbs * 1e9) * 1e3
     rows = []
-    for name, kernel in variants(shape, kv_dtype, baseline).items():
+    for name, kernel in variants(shape, kv_dtype, baseline, tilings).items():
         ms = graphed_time_ms(lambda: step_attention(pool, q, table, seq_lens, kernel))
         rows.append({"shape": shape, "batch": batch, "context": context, "kv_dtype": kv_dtype, "variant": name,
                      "step_attention_ms": ms, "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms})
@@ -110,6 +125,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     parser.add_argument("--baseline", help="a file of an earlier shared/kernels/paged_attention_triton.py")
+    parser.add_argument("--tilings", type=lambda text: tuple(parse_tiling(name) for name in text.split(",")),
+                        default=TILINGS, help="the tilings beside the shipped one, comma-separated")
     parser.add_argument("--out")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs()
@@ -117,7 +134,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         for kv_dtype in args.kv_dtypes.split(","):
-            rows += bench_shape(shape, kv_dtype, bandwidth, baseline)
+            rows += bench_shape(shape, kv_dtype, bandwidth, baseline, args.tilings)
             torch.cuda.empty_cache()
     emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbs": bandwidth,
           "layers": LAYERS, "baseline": args.baseline, "rows": rows}, args.out)
