@@ -223,6 +223,19 @@ def test_deepseek_shape_cuda(kv_dtype, heads, seq_lens):
 
 @pytest.mark.gpu
 @compiled_gpu
+@pytest.mark.parametrize("tiling", [MlaTiling(16, 64, 4, 2), MlaTiling(16, 32, 4, 3), MlaTiling(16, 32, 4, 5),
+                                    MlaTiling(16, 32, 8, 2)], ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
+def test_benchmarked_tilings_cuda(kv_dtype, tiling):
+    """Every tiling loadtest/engine/bench_latent_decode_attention.py times computes the same, compiled
+    (5 stages: Triton 3.6 double-buffers the tiles)."""
+    case = make_case(BATCH_64[:8], 16, 64, torch.bfloat16, kv_dtype, **REAL)
+    out = mla_decode_attention(*case, REAL_SCALE, num_splits=3, tiling=tiling)
+    torch.testing.assert_close(out.float(), mla_decode_reference(*case, REAL_SCALE).float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@compiled_gpu
 @pytest.mark.parametrize("products", ["fp16", "native"], ids=["fp16-default", "bf16-benchmarks-baseline"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:], ids=KV_IDS[1:])
 def test_quantized_pages_either_products(kv_dtype, products):

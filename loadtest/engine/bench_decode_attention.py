@@ -34,12 +34,12 @@ PAGE_SIZE = 16
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 32, 8, 32, 128
 # name: (batch, context, the page table's width in tokens: the 8B presets' contexts)
 SHAPES = {"b32_8k": (32, 8192, 131072), "b16_8k": (16, 8192, 131072), "b8_8k": (8, 8192, 131072),
-          "b1_1k": (1, 1024, 131072), "b1_512k": (1, 524224, 524288)}
+          "b64_1k": (64, 1024, 131072), "b1_1k": (1, 1024, 131072), "b1_512k": (1, 524224, 524288)}
 KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
 TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 4, 3), Tiling(128, 8, 2),
            Tiling(32, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True))
 FP8_QUERY_TILINGS = (Tiling(64, 4, 2), Tiling(128, 8, 2))
-SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b1_1k": (4, 16), "b1_512k": (16, 49, 66, 132)}
+SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b64_1k": (), "b1_1k": (4, 16), "b1_512k": (16, 49, 66, 132)}
 
 
 def filled_pool(kv_dtype: str, pages: int):

@@ -41,7 +41,8 @@ KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
 SPLITS = (64, 128, 264)
 # 8 warps halve a thread's registers (116 against 212 on sm_90); 64 heads a block pad V2-Lite's 16 to
 # the warpgroup MMA's 64 rows (HGMMA rather than HMMA, four times the products).
-TILINGS = (MlaTiling(16, 64, 4, 2), MlaTiling(16, 32, 4, 3), MlaTiling(16, 32, 8, 2), MlaTiling(64, 32, 8, 2))
+TILINGS = (MlaTiling(16, 64, 4, 2), MlaTiling(16, 32, 4, 3), MlaTiling(16, 32, 4, 5), MlaTiling(16, 32, 8, 2),
+           MlaTiling(64, 32, 8, 2))
 
 
 def filled_latents(kv_dtype: str, pages: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
