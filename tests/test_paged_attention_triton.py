@@ -194,8 +194,18 @@ def test_quantized_bf16_query(kv_dtype, seq_lens, num_splits):
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
 def test_quantized_tiny_values_keep_their_precision(kv_dtype):
     """V of size 1e-4 has scales near 1e-6: probabilities times scales would fall below fp16's
-    normal range, so the kernel weighs them by the scales over their largest in the chunk."""
+    normal range, so the kernel weighs them by the scales over the largest weight so far."""
     check_quantized([700, 90], 4, 1, 64, 2, kv_dtype, value_size=1e-4, tol={"atol": 2e-7, "rtol": 2e-3})
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_v_scales_of_every_size_and_rows_of_zeros(kv_dtype):
+    """Tokens whose V differ by 1e10 in size, and rows of zeros (scale 0), in one sequence and tile:
+    the softmax's sum stays the plain one whatever weights the scales give."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = 10.0 ** (torch.rand((16, 1, 1), generator=generator) * 10 - 8)  # by slot of a page
+    sizes[[3, 11]] = 0.0
+    check_quantized([300, 517], 4, 1, 64, 3, kv_dtype, value_size=sizes, tol={"atol": 1e-3, "rtol": 2e-3})
 
 
 @pytest.mark.parametrize("page_size", [24, 128], ids=["page24", "page128"])

@@ -22,8 +22,8 @@ c tile in both products. A program per head would read the pages H times. Quanti
 converted exactly to fp16 on the tile as loaded (every int8 and e4m3 value is an fp16 value), the
 paged kernel's convert_on_load, which that kernel measured slower than Triton's own placement; for
 the latent kernel neither is timed. Their scales stay outside the products: each
-token's scale multiplies its column of scores and its column of probabilities (divided by the
-split's largest scale, so the fp16 weights keep their precision), H * BLOCK_N multiplies a tile
+token's scale multiplies its column of scores and its column of probabilities (inside the online
+softmax, so the fp16 weights are at most 1), H * BLOCK_N multiplies a tile
 rather than BLOCK_N * (R + Dr).
 
 Split and merge (flash-decoding): the grid is (head blocks, num_splits, B). Each sequence's context
@@ -51,8 +51,8 @@ from shared.kernels.paged_attention_triton import (
     _LOG2E,
     _NO_WINDOW,
     _choose_num_splits,
-    _largest_scale,
     _num_sms,
+    _scaled_softmax_tile,
     _to_fp16,
 )
 from shared.kernels.split_merge_triton import (
@@ -130,18 +130,14 @@ if triton is not None:
         q_rope = tl.load(q_rope_ptr + b * stride_rb + heads[:, None] * stride_rh + e[None, :],
                          mask=head_mask[:, None], other=0.0)
         table_row = page_table_ptr + b * stride_pt
-        v_top = 1.0
         if PRODUCTS == 1:
             q_latent = q_latent.to(tl.float32)
             q_rope = q_rope.to(tl.float32)
         elif PRODUCTS == 2:
-            # fp16 queries carry the softmax scale; the probabilities are weighed by the token scales
-            # over the split's largest, so that the fp16 weights keep their precision.
+            # fp16 queries carry the softmax scale; the probabilities are weighed by the token
+            # scales inside the online softmax, so that the fp16 weights are at most 1.
             q_latent = (q_latent.to(tl.float32) * qk_scale).to(tl.float16)
             q_rope = (q_rope.to(tl.float32) * qk_scale).to(tl.float16)
-            v_top = _largest_scale(scale_ptr, table_row, tl.maximum(lo, begin), hi, 0, stride_sp, stride_st,
-                                   PAGE_SIZE, 8 * BLOCK_N)
-        v_norm = 1.0 / tl.maximum(v_top, 1e-30)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -171,15 +167,16 @@ if triton is not None:
             if PRODUCTS != 2:  # else the queries carry it
                 qk *= qk_scale
             qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             if QUANTIZED:
-                p *= (token_scale * v_norm)[None, :]
+                p, alpha, m_new, l_i = _scaled_softmax_tile(qk, token_scale, m_i, l_i)
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = tl.dot(p.to(q_latent.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
-        finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
+        finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * tl.num_programs(0) + tl.program_id(0), (b * num_heads + heads) * num_splits,
                      split, num_splits, used, head_mask, SPLIT, BLOCK_H, RANK, MERGE_COLUMNS, MERGE_HERE)
 

@@ -34,9 +34,10 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   and e4m3 value is an fp16 value; int8 by an integer add under an fp16 exponent and one
   subtraction rather than the quarter-rate int-to-float instruction), q is rounded
   to fp16 once with the softmax scale folded in, and the scales stay outside the products: each
-  token's K scale multiplies its column of scores, its V scale its column of probabilities. The V
-  scales are divided by their largest value in the chunk first, so the fp16 probabilities keep
-  their precision whatever the scales' size.
+  token's K scale multiplies its column of scores, its V scale its column of probabilities, as
+  the log2 of the scale added to the score before the online softmax's running maximum
+  (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the scales' size,
+  with no pass over the scales before the loop.
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -110,6 +111,10 @@ def default_tiling(mode: str, batch: int, context: int) -> Tiling:
 
 
 if triton is not None:
+    # e4m3's largest value: the FP8-query mode's probabilities are weighed up to it.
+    _E4M3_MAX = tl.constexpr(448.0)
+    # A V scale of 0 (a row of zeros) counts as this in the softmax: its log2 and inverse stay finite.
+    _SMALLEST_SCALE = tl.constexpr(2.0 ** -100)
 
     @triton.jit
     def _to_fp16(x, MODE: tl.constexpr, INLINE_PTX: tl.constexpr):
@@ -159,7 +164,7 @@ if triton is not None:
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
-              row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t, stride_sp, stride_st,
+              row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_sp, stride_st,
               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
@@ -188,32 +193,36 @@ if triton is not None:
                 qk *= q_descale[:, None]
         if MASKED:
             qk = tl.where(tok_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
         if MODE == 0:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             v_scale = _load(v_scale_ptr + scale_rows, tok_mask, MASKED)
-            weights = (p * (v_scale * v_norm)[None, :]).to(q.dtype)
-            pv = tl.dot(weights, _to_fp16(v, MODE, INLINE_PTX))
+            weights, alpha, m_new, l_i = _scaled_softmax_tile(qk, v_scale, m_i, l_i)
+            if MODE == 2:
+                weights *= _E4M3_MAX
+            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
+            pv = tl.dot(weights.to(q.dtype), _to_fp16(v, MODE, INLINE_PTX))
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @triton.jit
-    def _largest_scale(v_scale_ptr, table_row, lo, hi, kvh, stride_sp, stride_st,
-                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-        """The largest V scale of tokens lo..hi-1: the probabilities are weighed by the scales
-        divided by it, so the largest weight is 1 whatever the scales' size."""
-        n = tl.arange(0, BLOCK)
-        top = tl.zeros([BLOCK], tl.float32)
-        for start in range(lo, hi, BLOCK):
-            tok = start + n
-            page = tl.load(table_row + tok // PAGE_SIZE, mask=tok < hi, other=0).to(tl.int64)
-            at = page * stride_sp + (tok % PAGE_SIZE) * stride_st + kvh
-            top = tl.maximum(top, tl.load(v_scale_ptr + at, mask=tok < hi, other=0.0))
-        return tl.max(top, axis=0)
+    def _scaled_softmax_tile(qk, value_scale, m_i, l_i):
+        """One tile of the online softmax whose probabilities come out multiplied by each token's V
+        scale: the scale's log2 joins the score before the running maximum, so the largest weight
+        is 1 (fp16 keeps the weights' precision) and the merge of splits sees an ordinary maximum.
+        The sum divides each weight by its scale again: l is the plain softmax's. Returns the
+        weights, the rescale of the earlier tiles, the new maximum and sum."""
+        scale = tl.maximum(value_scale, _SMALLEST_SCALE)
+        weighted = qk + tl.log2(scale)[None, :]
+        m_new = tl.maximum(m_i, tl.max(weighted, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        weights = tl.exp2(weighted - m_new[:, None])
+        l_new = l_i * alpha + tl.sum(weights * (1.0 / scale)[None, :], axis=1)
+        return weights, alpha, m_new, l_new
 
     @triton.jit
     def _paged_decode_split_kernel(
@@ -251,21 +260,16 @@ if triton is not None:
             row_at += (n % PAGE_SIZE) * stride_t
             scale_row_at += (n % PAGE_SIZE) * stride_st
 
-        v_top = 1.0
         q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
         if MODE != 0:
-            v_top = _largest_scale(v_scale_ptr, table_row, tl.maximum(lo, begin), hi, kvh, stride_sp, stride_st,
-                                   PAGE_SIZE, 8 * BLOCK_N)
             q = q.to(tl.float32) * qk_scale
             if MODE == 2:
                 # One e4m3 scale per query head, as the pages have per token; its product with the
                 # K scale multiplies the scores.
-                q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / 448.0  # e4m3's largest value
+                q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _E4M3_MAX
                 q = (q / q_descale[:, None]).to(tl.float8e4nv)
-                v_top = v_top / 448.0
             else:
                 q = q.to(tl.float16)
-        v_norm = 1.0 / tl.maximum(v_top, 1e-30)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -273,22 +277,24 @@ if triton is not None:
         first = lo
         if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
-                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
                                   INLINE_PTX)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
-                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION,
                                   INLINE_PTX)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
-                                  0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, v_norm, stride_p, stride_t,
+                                  0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
                                   INLINE_PTX)
-        finish_split(m_i, l_i, acc * v_top, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
+        if MODE == 2:
+            acc /= _E4M3_MAX
+        finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
                      counters_ptr + b * num_kv_heads + kvh, (b * num_heads + heads) * num_splits, split, num_splits,
                      used, head_mask, SPLIT, GROUP_PAD, HEAD_DIM, HEAD_DIM, MERGE_HERE)
 
