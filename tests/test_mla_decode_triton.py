@@ -174,7 +174,8 @@ def test_float16_queries():
 
 def test_default_tiling():
     assert default_tiling(16).block_h == 16 and default_tiling(128).block_h == 64
-    for tiling in (default_tiling(16), default_tiling(128)):
+    assert default_tiling(16, quantized=True).num_stages == 5 and default_tiling(16).num_stages == 2
+    for tiling in (default_tiling(16), default_tiling(16, quantized=True), default_tiling(128)):
         # The [BLOCK_N, 576] bf16 tile per pipeline stage and the queries fit H200's 228 KB of shared memory.
         assert tiling.num_stages * tiling.block_n * 576 * 2 + tiling.block_h * 576 * 2 < 228 * 1024
 

@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 
 from shared.kernels import kv_quant  # noqa: E402
 from shared.kernels.paged_attention_triton import (  # noqa: E402
-    DEFAULT_TILING, LARGE_BATCH, LARGE_BATCH_TILING, LONG_CONTEXT, Tiling, _choose_num_splits, default_tiling,
-    paged_decode_attention,
+    DEFAULT_TILING, LARGE_BATCH, LARGE_BATCH_TILING, LONG_CONTEXT, MANY_SEQUENCES, MANY_SEQUENCES_TILING, Tiling,
+    _choose_num_splits, default_tiling, paged_decode_attention,
 )
 from shared.model import attention  # noqa: E402
 
@@ -220,13 +220,17 @@ def test_pages_that_do_not_divide_the_tile(page_size, kv_dtype):
 
 
 def test_default_tiling_by_batch_and_page_table_width():
-    """128-token tiles from batch 8 up, and below where the page table spans LONG_CONTEXT tokens."""
+    """128-token tiles from batch 8 up, and below where the page table spans LONG_CONTEXT tokens;
+    quantized ones double-buffered (5 stages) there, but from MANY_SEQUENCES on."""
     for mode in ("native", "fp16"):
         assert default_tiling(mode, 1, 131072) == DEFAULT_TILING[mode] != LARGE_BATCH_TILING[mode]
         assert default_tiling(mode, 1, LONG_CONTEXT) == LARGE_BATCH_TILING[mode]
         assert default_tiling(mode, LARGE_BATCH - 1, LONG_CONTEXT - 16) == DEFAULT_TILING[mode]
         assert default_tiling(mode, LARGE_BATCH, 1024) == LARGE_BATCH_TILING[mode]
+        assert default_tiling(mode, MANY_SEQUENCES, 1024) == MANY_SEQUENCES_TILING[mode]
+        assert MANY_SEQUENCES_TILING[mode].block_n == 128
     assert LARGE_BATCH_TILING["native"].block_n == 128 and DEFAULT_TILING["fp16"].block_n == 64
+    assert LARGE_BATCH_TILING["fp16"].num_stages == 5 and MANY_SEQUENCES_TILING["fp16"].num_stages == 2
 
 
 @pytest.mark.parametrize("tiling", [Tiling(32, 4, 2), Tiling(128, 8, 3)], ids=["n32", "n128-w8"])

@@ -60,7 +60,7 @@ def filled_latents(kv_dtype: str, pages: int) -> list[tuple[torch.Tensor, torch.
 
 def variants(batch: int, width: int, kv_dtype: str) -> dict:
     """name -> the options of the kernel's call, as shipped and with one choice changed."""
-    tiling = default_tiling(HEADS)
+    tiling = default_tiling(HEADS, kv_dtype != "bfloat16")
     shipped_splits = auto_num_splits(batch, 1, width, 0, tiling, torch.device("cuda"))
     out = {"shipped": {}}
     if kv_dtype != "bfloat16":
@@ -100,7 +100,8 @@ def bench_shape(shape: str, kv_dtype: str, bandwidth_gbs: float) -> list[dict]:
     shipped = rows[0]["step_attention_ms"]
     for row in rows:
         row["vs_shipped"] = row["step_attention_ms"] / shipped
-    rows[0]["num_splits"] = auto_num_splits(batch, 1, width, 0, default_tiling(HEADS), torch.device("cuda"))
+    rows[0]["num_splits"] = auto_num_splits(batch, 1, width, 0, default_tiling(HEADS, kv_dtype != "bfloat16"),
+                                          torch.device("cuda"))
     return rows
 
 

@@ -91,11 +91,13 @@ class MlaTiling:
     num_stages: int
 
 
-def default_tiling(num_heads: int) -> MlaTiling:
+def default_tiling(num_heads: int, quantized: bool = False) -> MlaTiling:
     """16 heads (V2-Lite) fill a block of their own; more take 64 a program, whose [64, R] fp32
-    accumulator already holds half the register file at R = 512 (8 warps, 128 registers a thread)."""
+    accumulator already holds half the register file at R = 512 (8 warps, 128 registers a thread).
+    Quantized pages of 16 heads double-buffer their tiles (5 stages): 0.95-0.97x the time of one
+    buffer at batch 64 x 1K and 1 x 32K (int8, H100), where bf16 pages ran 1.01x and 1.57x."""
     if num_heads <= 16:
-        return MlaTiling(16, 32, 4, 2)
+        return MlaTiling(16, 32, 4, 5 if quantized else 2)
     return MlaTiling(64, 32, 8, 2)
 
 
@@ -223,7 +225,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         raise ValueError(f"window must be >= 0, got {window}")
     batch, num_heads, rank = q_latent.shape
     page_size = cache.shape[1]
-    tiling = tiling or default_tiling(num_heads)
+    tiling = tiling or default_tiling(num_heads, cache_scale is not None)
     head_blocks = triton.cdiv(num_heads, tiling.block_h)
     if num_splits is None:
         num_splits = auto_num_splits(batch, head_blocks, page_table.shape[1] * page_size, window, tiling,
