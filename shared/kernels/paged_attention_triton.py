@@ -100,7 +100,7 @@ class Tiling:
 # page table is as wide as LONG_CONTEXT tokens, where each long step gains milliseconds; the decode
 # replays a step of short sequences from a narrower table (services/decode/cuda_graphs.py).
 # Quantized 128-token tiles double-buffered (5 stages): at batch 8 and 32 x 8K the attention ran in
-# 0.89-0.96x the time of one buffer (H100). From MANY_SEQUENCES a step's programs fill the GPU twice
+# 0.89-0.98x the time of one buffer (H100). From MANY_SEQUENCES a step's programs fill the GPU twice
 # over, and one buffer ran 2-3% faster (batch 64 x 1K).
 DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
 LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 5), "fp8_query": Tiling(64, 8, 2)}
