@@ -38,6 +38,10 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   the log2 of the scale added to the score before the online softmax's running maximum
   (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the scales' size,
   with no pass over the scales before the loop.
+- "int8_query" (int8 pages, a choice): q is quantized to int8 too, with a scale per head, and the
+  scores come from integer tensor cores (IMMA) on the K tile as it is stored: no K value is
+  converted, which leaves a quarter fewer instructions per byte (count_attention_sass). V is
+  converted as in "fp16".
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -71,7 +75,7 @@ _PROGRAMS_PER_SM = 2
 _DEFAULT_NUM_SMS = 132  # H200; used when the device cannot be queried (CPU interpreter)
 
 # How the products are computed (the kernel's MODE).
-MODES = {"native": 0, "fp16": 1, "fp8_query": 2}
+MODES = {"native": 0, "fp16": 1, "fp8_query": 2, "int8_query": 3}
 # The warpgroup MMA that runs FP8 products takes 64 rows at least.
 _WGMMA_ROWS = 64
 
@@ -102,9 +106,12 @@ class Tiling:
 # Quantized 128-token tiles double-buffered (5 stages): at batch 8 and 32 x 8K the attention ran in
 # 0.89-0.98x the time of one buffer (H100). From MANY_SEQUENCES a step's programs fill the GPU twice
 # over, and one buffer ran 2-3% faster (batch 64 x 1K).
-DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2)}
-LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 5), "fp8_query": Tiling(64, 8, 2)}
-MANY_SEQUENCES_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2)}
+DEFAULT_TILING = {"native": Tiling(64, 4, 2), "fp16": Tiling(64, 4, 2), "fp8_query": Tiling(64, 8, 2),
+                  "int8_query": Tiling(64, 4, 2)}
+LARGE_BATCH_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 5), "fp8_query": Tiling(64, 8, 2),
+                      "int8_query": Tiling(128, 4, 5)}
+MANY_SEQUENCES_TILING = {"native": Tiling(128, 4, 2), "fp16": Tiling(128, 4, 2), "fp8_query": Tiling(64, 8, 2),
+                         "int8_query": Tiling(128, 4, 2)}
 LARGE_BATCH = 8
 MANY_SEQUENCES = 64
 LONG_CONTEXT = 262144
@@ -125,13 +132,15 @@ def default_tiling(mode: str, batch: int, context: int) -> Tiling:
 if triton is not None:
     # e4m3's largest value: the FP8-query mode's probabilities are weighed up to it.
     _E4M3_MAX = tl.constexpr(448.0)
+    # int8's largest magnitude: the int8-query mode's q is weighed up to it.
+    _INT8_MAX = tl.constexpr(127.0)
     # A V scale of 0 (a row of zeros) counts as this in the softmax: its log2 and inverse stay finite.
     _SMALLEST_SCALE = tl.constexpr(2.0 ** -100)
 
     @triton.jit
     def _to_fp16(x, MODE: tl.constexpr, INLINE_PTX: tl.constexpr):
-        """Page values as the products take them: fp16 for "fp16" (exact for int8 and e4m3), as
-        they are otherwise.
+        """Page values as the products take them: fp16 for "fp16" and "int8_query" (exact for int8
+        and e4m3), as they are otherwise.
 
         Compiled (INLINE_PTX), the conversion is an inline assembly marked impure, which Triton
         keeps where it stands: on the tile as loaded, 16 contiguous bytes a thread, whose fp16 copy
@@ -141,7 +150,7 @@ if triton is not None:
         (loadtest/engine/count_attention_sass.py). Yet it ran slower (Tiling.convert_on_load says
         why), so it is a choice. The interpreter runs no assembly: there the same numbers come
         from Triton's own operations."""
-        if MODE != 1:
+        if MODE != 1 and MODE != 3:
             y = x
         elif x.dtype == tl.int8:
             # 0x64XX is 1024.0 + XX (fp16's unit in the last place is 1 from 1024 to 2048): with
@@ -200,8 +209,12 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         else:  # q already carries qk_scale
             k_scale = _load(k_scale_ptr + scale_rows, tok_mask, MASKED)
-            qk = tl.dot(q, tl.trans(_to_fp16(k, MODE, INLINE_PTX))) * k_scale[None, :]
-            if MODE == 2:
+            if MODE == 3:  # int8 q against the int8 tile as stored, exact in int32
+                qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+            else:
+                qk = tl.dot(q, tl.trans(_to_fp16(k, MODE, INLINE_PTX)))
+            qk *= k_scale[None, :]
+            if MODE >= 2:
                 qk *= q_descale[:, None]
         if MASKED:
             qk = tl.where(tok_mask[None, :], qk, float("-inf"))
@@ -218,7 +231,7 @@ if triton is not None:
             if MODE == 2:
                 weights *= _E4M3_MAX
             v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
-            pv = tl.dot(weights.to(q.dtype), _to_fp16(v, MODE, INLINE_PTX))
+            pv = tl.dot(weights.to(tl.float8e4nv if MODE == 2 else tl.float16), _to_fp16(v, MODE, INLINE_PTX))
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @triton.jit
@@ -280,6 +293,11 @@ if triton is not None:
                 # K scale multiplies the scores.
                 q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _E4M3_MAX
                 q = (q / q_descale[:, None]).to(tl.float8e4nv)
+            elif MODE == 3:
+                # One int8 scale per query head; rounded to nearest (the cast truncates).
+                q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _INT8_MAX
+                q = q / q_descale[:, None]
+                q = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int32).to(tl.int8)
             else:
                 q = q.to(tl.float16)
 
@@ -365,29 +383,28 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("page_table rows and seq_lens must be contiguous")
 
 
-def compute_mode(q: torch.Tensor, k_cache: torch.Tensor, fp8_query: bool) -> str:
+def compute_mode(q: torch.Tensor, k_cache: torch.Tensor, quantized_query: bool) -> str:
     """The products' mode for these pages: "native" in q's dtype, "fp16" for quantized pages,
-    "fp8_query" where asked for float8_e4m3fn pages."""
+    "int8_query" or "fp8_query" where a quantized query is asked for with int8 or float8_e4m3fn pages."""
     if k_cache.dtype == q.dtype:
         return "native"
-    if fp8_query:
-        if k_cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"fp8_query needs float8_e4m3fn pages, not {k_cache.dtype}")
-        return "fp8_query"
+    if quantized_query:
+        return "int8_query" if k_cache.dtype == torch.int8 else "fp8_query"
     return "fp16"
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_splits: int | None = None, fp8_query: bool = False,
+                           num_splits: int | None = None, quantized_query: bool = False,
                            tiling: Tiling | None = None, window: int = 0,
                            merge_here: bool | None = None) -> torch.Tensor:
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
-    fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
+    quantized_query: quantized pages only, q in their format too (modes "int8_query" and "fp8_query",
+    module docstring); ignored for pages in q's dtype.
     tiling: the loop's tile and warps, default_tiling's for the mode, batch and page-table width when None
     (benchmarks sweep it).
     window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window).
@@ -399,7 +416,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    mode = compute_mode(q, k_cache, fp8_query)
+    mode = compute_mode(q, k_cache, quantized_query)
     tiling = tiling or default_tiling(mode, batch, page_table.shape[1] * page_size)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
