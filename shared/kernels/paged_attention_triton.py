@@ -38,10 +38,11 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   the log2 of the scale added to the score before the online softmax's running maximum
   (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the scales' size,
   with no pass over the scales before the loop.
-- "int8_query" (int8 pages, a choice): q is quantized to int8 too, with a scale per head, and the
-  scores come from integer tensor cores (IMMA) on the K tile as it is stored: no K value is
-  converted, which leaves a quarter fewer instructions per byte (count_attention_sass). V is
-  converted as in "fp16".
+- "int8_query" (int8 pages): q is written as two int8 terms with one scale per head, q ~ s * (hi +
+  lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), and the scores come
+  from integer tensor cores (IMMA) on the K tile as it is stored, hi * 127 + lo exact in int32: no
+  K value is converted, which leaves a fifth fewer instructions per byte (count_attention_sass).
+  V is converted as in "fp16".
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -132,8 +133,8 @@ def default_tiling(mode: str, batch: int, context: int) -> Tiling:
 if triton is not None:
     # e4m3's largest value: the FP8-query mode's probabilities are weighed up to it.
     _E4M3_MAX = tl.constexpr(448.0)
-    # int8's largest magnitude: the int8-query mode's q is weighed up to it.
-    _INT8_MAX = tl.constexpr(127.0)
+    # int8's largest magnitude: the int8-query mode's q is weighed up to it, its low term by it.
+    _INT8_MAX = tl.constexpr(127)
     # A V scale of 0 (a row of zeros) counts as this in the softmax: its log2 and inverse stay finite.
     _SMALLEST_SCALE = tl.constexpr(2.0 ** -100)
 
@@ -184,7 +185,7 @@ if triton is not None:
         return values
 
     @triton.jit
-    def _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
+    def _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
               row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_sp, stride_st,
               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
@@ -209,8 +210,9 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         else:  # q already carries qk_scale
             k_scale = _load(k_scale_ptr + scale_rows, tok_mask, MASKED)
-            if MODE == 3:  # int8 q against the int8 tile as stored, exact in int32
-                qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+            if MODE == 3:  # q's two int8 terms against the int8 tile as stored, exact in int32
+                high = tl.dot(q, tl.trans(k), out_dtype=tl.int32) * _INT8_MAX
+                qk = tl.dot(q_low, tl.trans(k), acc=high, out_dtype=tl.int32).to(tl.float32)
             else:
                 qk = tl.dot(q, tl.trans(_to_fp16(k, MODE, INLINE_PTX)))
             qk *= k_scale[None, :]
@@ -286,6 +288,7 @@ if triton is not None:
             scale_row_at += (n % PAGE_SIZE) * stride_st
 
         q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
+        q_low = q  # the int8-query mode's second term; unused by the others
         if MODE != 0:
             q = q.to(tl.float32) * qk_scale
             if MODE == 2:
@@ -294,10 +297,15 @@ if triton is not None:
                 q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _E4M3_MAX
                 q = (q / q_descale[:, None]).to(tl.float8e4nv)
             elif MODE == 3:
-                # One int8 scale per query head; rounded to nearest (the cast truncates).
-                q_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _INT8_MAX
-                q = q / q_descale[:, None]
-                q = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int32).to(tl.int8)
+                # One scale per query head; each term rounded to nearest (the cast truncates). The
+                # scores come out 127 times too large: the descale takes it back.
+                high_descale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / _INT8_MAX
+                q = q / high_descale[:, None]
+                high = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int32)
+                low = (q - high) * _INT8_MAX
+                q_low = tl.where(low >= 0, low + 0.5, low - 0.5).to(tl.int32).to(tl.int8)
+                q = high.to(tl.int8)
+                q_descale = high_descale / _INT8_MAX
             else:
                 q = q.to(tl.float16)
 
@@ -306,19 +314,19 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         first = lo
         if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
                                   hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
                                   INLINE_PTX)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
                                   hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION,
                                   INLINE_PTX)
         if full_end < hi:
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
                                   0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
                                   stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
                                   INLINE_PTX)
