@@ -52,7 +52,7 @@ def test_the_baseline_kernel_stands_in_for_the_model_s_only_inside_its_block(tmp
     earlier = baseline_attention.load(path)
     current = attention.paged_attention_triton
     with baseline_attention.in_the_model(earlier):
-        assert attention.paged_attention_triton.paged_decode_attention(1, 2, quantized_query=False) == ("earlier", 2, {})
-        with pytest.raises(ValueError, match="not run with quantized_query"):
-            attention.paged_attention_triton.paged_decode_attention(1, 2, quantized_query=True)
+        assert attention.paged_attention_triton.paged_decode_attention(1, 2, fp8_query=False) == ("earlier", 2, {})
+        with pytest.raises(ValueError, match="no fp8_query"):
+            attention.paged_attention_triton.paged_decode_attention(1, 2, fp8_query=True)
     assert attention.paged_attention_triton is current

@@ -10,7 +10,7 @@ as the decode worker's (the model's context), so the split count is the one serv
 each shape and kv.dtype: the kernel as shipped; each tiling of TILINGS (or of --tilings, named
 BLOCK_NxWARPSwSTAGESs, "_on_load" for convert_on_load) and each split count of
 SPLITS in place of its own; the splits merged by their last program and by a launch of their
-own; q quantized to the pages' format (the int8-query and FP8-query modes); and, with --baseline (a file
+own; the FP8-query mode on float8_e4m3 pages; and, with --baseline (a file
 of an earlier shared/kernels/paged_attention_triton.py, loadtest/lib/baseline_attention.py), the
 earlier kernel on the same pages: the before and after of one run.
 """
@@ -38,9 +38,7 @@ SHAPES = {"b32_8k": (32, 8192, 131072), "b16_8k": (16, 8192, 131072), "b8_8k": (
 KV_DTYPES = ("bfloat16", "int8", "float8_e4m3")
 TILINGS = (Tiling(64, 4, 2), Tiling(64, 4, 3), Tiling(128, 4, 2), Tiling(128, 4, 3), Tiling(128, 8, 2),
            Tiling(32, 4, 3), Tiling(64, 4, 2, True), Tiling(128, 4, 2, True))
-# The quantized-query modes' tilings, by kv.dtype: its mode's name and tilings.
-QUERY_MODE_TILINGS = {"float8_e4m3": ("fp8_query", (Tiling(64, 4, 2), Tiling(128, 8, 2))),
-                      "int8": ("int8_query", (Tiling(64, 4, 2), Tiling(128, 4, 2), Tiling(128, 4, 5)))}
+FP8_QUERY_TILINGS = (Tiling(64, 4, 2), Tiling(128, 8, 2))
 SPLITS = {"b32_8k": (2,), "b16_8k": (), "b8_8k": (), "b64_1k": (), "b1_1k": (4, 16), "b1_512k": (16, 49, 66, 132)}
 
 
@@ -88,10 +86,9 @@ def variants(shape: str, kv_dtype: str, baseline, tilings: tuple[Tiling, ...]) -
         out[f"splits_{splits}"] = _with(num_splits=splits)
     for merge_here in (True, False):
         out[f"merged_{'by_the_last_split' if merge_here else 'by_a_launch'}"] = _with(merge_here=merge_here)
-    if kv_dtype in QUERY_MODE_TILINGS:
-        out[QUERY_MODE_TILINGS[kv_dtype][0]] = _with(quantized_query=True)
-        for tiling in QUERY_MODE_TILINGS[kv_dtype][1]:
-            out[f"{QUERY_MODE_TILINGS[kv_dtype][0]}_{tiling_name(tiling)}"] = _with(quantized_query=True, tiling=tiling)
+    if kv_dtype == "float8_e4m3":
+        for tiling in FP8_QUERY_TILINGS:
+            out[f"fp8_query_{tiling.block_n}x{tiling.num_warps}w"] = _with(fp8_query=True, tiling=tiling)
     if baseline is not None:
         out["baseline"] = lambda *args: baseline_attention.call(baseline, *args)
     return out

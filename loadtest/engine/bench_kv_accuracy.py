@@ -21,8 +21,8 @@ random token ids, --prompt-tokens each.
 With --fp8-weights the model's linear layers are then quantized (model.quantization fp8,
 shared/model/quantization.py) and run the same way, with unquantized pages ("fp8 weights") and
 with float8_e4m3 pages ("fp8 weights, float8_e4m3"), against the same unquantized reference.
-On a GPU, int8 and float8_e4m3 run a second time with q quantized to their format
-(PagedLlama.quantized_query), as "int8+int8_query" and "float8_e4m3+fp8_query"; with --baseline (a file of an earlier shared/kernels/paged_attention_triton.py,
+On a GPU, float8_e4m3 runs a second time with the FP8-query attention (PagedLlama.fp8_query), as
+"float8_e4m3+fp8_query"; with --baseline (a file of an earlier shared/kernels/paged_attention_triton.py,
 loadtest/lib/baseline_attention.py) each format also runs with that kernel, as "<format>+baseline".
 """
 
@@ -122,11 +122,10 @@ def compare(reference: Run, forced: Run, free: Run) -> dict:
 
 
 def variants(device: str, baseline) -> list[tuple[str, str, bool, contextlib.AbstractContextManager]]:
-    """(name, kv.dtype, quantized_query, the attention kernel in place) of each quantized run."""
+    """(name, kv.dtype, fp8_query, the attention kernel in place) of each quantized run."""
     out = [(kv_dtype, kv_dtype, False, contextlib.nullcontext()) for kv_dtype in QUANTIZED]
     if device != "cpu":
-        out += [("int8+int8_query", "int8", True, contextlib.nullcontext()),
-                ("float8_e4m3+fp8_query", "float8_e4m3", True, contextlib.nullcontext())]
+        out.append(("float8_e4m3+fp8_query", "float8_e4m3", True, contextlib.nullcontext()))
         if baseline is not None:
             out += [(f"{kv_dtype}+baseline", kv_dtype, False, baseline_attention.in_the_model(baseline))
                     for kv_dtype in QUANTIZED]
@@ -167,15 +166,15 @@ def main() -> None:
         "formats": {},
     }
     baseline = baseline_attention.load(args.baseline) if args.baseline else None
-    for name, kv_dtype, quantized_query, kernel in variants(args.device, baseline):
-        model.quantized_query = quantized_query
+    for name, kv_dtype, fp8_query, kernel in variants(args.device, baseline):
+        model.fp8_query = fp8_query
         with kernel:
             forced = generate(model, prompts, kv_dtype, args.tokens, forced=reference.tokens)
             free = generate(model, prompts, kv_dtype, args.tokens)
         report["formats"][name] = {"kv_bytes_per_token": kv_token_bytes(model, kv_dtype, PAGE_SIZE),
                                    **compare(reference, forced, free)}
     if args.fp8_weights:
-        model.quantized_query = False
+        model.fp8_query = False
         for layer in model.layers:
             layer.quantize_fp8()
         for name, kv_dtype in (("fp8 weights", "bfloat16"), ("fp8 weights, float8_e4m3", "float8_e4m3")):

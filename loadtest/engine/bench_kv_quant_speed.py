@@ -6,9 +6,8 @@
 For each kv.dtype (bfloat16, float8_e4m3, int8) in one run: the decode step as the decode worker
 runs it (one CUDA graph replay, p50 of 100, the page table as wide as the model's context) at each
 row's batch and context, beside its floor (the weights plus the KV and scales it reads, at the copy
-bandwidth measured in the same run) and its ratio to the bfloat16 step of the same row. int8 and
-float8_e4m3 also run with q quantized to their format (PagedLlama.quantized_query: the kernel's
-"int8_query" and "fp8_query" modes). With --baseline (a file of an
+bandwidth measured in the same run) and its ratio to the bfloat16 step of the same row. float8_e4m3
+also runs with the FP8-query attention (PagedLlama.fp8_query). With --baseline (a file of an
 earlier shared/kernels/paged_attention_triton.py, loadtest/lib/baseline_attention.py) every row
 also runs with that kernel in the step: the before and after of one run. Rows whose pool and
 weights would not fit the GPU are left out and named. And the handoff's page copy
@@ -38,17 +37,15 @@ from shared.model.llama import PagedLlama
 
 PAGE_SIZE = 16
 KV_DTYPES = ("bfloat16", "float8_e4m3", "int8")
-# The kernel's mode with q quantized to the pages' format, by kv.dtype.
-QUERY_MODES = {"int8": "int8_query", "float8_e4m3": "fp8_query"}
 # Memory the pool may take: the GPU's less the weights and this much for activations and graphs.
 _HEADROOM_BYTES = 8 << 30
 
 
 def variants(kv_dtype: str, baseline) -> dict[str, tuple[bool, contextlib.AbstractContextManager]]:
-    """name -> (quantized_query, the kernel in place) of each way a row's step runs."""
+    """name -> (fp8_query, the kernel in place) of each way a row's step runs."""
     out = {"shipped": (False, contextlib.nullcontext())}
-    if kv_dtype in QUERY_MODES:
-        out[QUERY_MODES[kv_dtype]] = (True, contextlib.nullcontext())
+    if kv_dtype == "float8_e4m3":
+        out["fp8_query"] = (True, contextlib.nullcontext())
     if baseline is not None:
         out["baseline"] = (False, baseline_attention.in_the_model(baseline))
     return out
@@ -65,8 +62,8 @@ def bench_row(model: PagedLlama, kv_dtype: str, batch: int, context: int, bandwi
     kv_read = batch * context * token_bytes(layout)
     floor_ms = (weight_bytes_per_step(model) + kv_read) / (bandwidth_gbs * 1e9) * 1e3
     rows = []
-    for name, (quantized_query, kernel) in variants(kv_dtype, baseline).items():
-        model.quantized_query = quantized_query
+    for name, (fp8_query, kernel) in variants(kv_dtype, baseline).items():
+        model.fp8_query = fp8_query
         with kernel:
             graphs = GraphedDecode(model, pool, scratch, pages_for(model.max_context, PAGE_SIZE), [batch])
             times = cuda_time_ms(lambda: graphs.step(inputs), 100)
@@ -74,7 +71,7 @@ def bench_row(model: PagedLlama, kv_dtype: str, batch: int, context: int, bandwi
         rows.append({"kv_dtype": kv_dtype, "variant": name, "batch": batch, "context": context,
                      "graph_ms_p50": quantile(times, 0.5), "graph_ms_min": times[0], "kv_gb_read": kv_read / 1e9,
                      "floor_ms": floor_ms, "ratio_to_floor": quantile(times, 0.5) / floor_ms})
-    model.quantized_query = False
+    model.fp8_query = False
     return rows
 
 

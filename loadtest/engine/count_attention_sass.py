@@ -42,7 +42,7 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table
 # Integer arguments the JIT sees divisible by 16 at the 8B shape (and so specialises on).
 DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stride_sp", "stride_pt", "stride_ob",
              "stride_oh", "num_heads")
-CASES = [("native", "bf16"), ("fp16", "i8"), ("int8_query", "i8"), ("fp16", "fp8e4nv"), ("fp8_query", "fp8e4nv")]
+CASES = [("native", "bf16"), ("int8_query", "i8"), ("fp16", "fp8e4nv"), ("fp8_query", "fp8e4nv")]
 ELEMENT_BYTES = {"bf16": 2, "i8": 1, "fp8e4nv": 1}
 # The latent kernel's, at DeepSeek-V2-Lite's shape (16 heads, a latent of 512 and a RoPE key of 64).
 LATENT_POINTERS = ("q_latent_ptr", "q_rope_ptr", "cache_ptr", "scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",

@@ -27,10 +27,10 @@ def load(path: str | Path) -> types.ModuleType:
     return module
 
 
-def call(module: types.ModuleType, *args, quantized_query: bool = False, tiling=None, **kwargs):
-    """The earlier kernel on today's arguments; it is not asked for a quantized query or a tiling."""
-    if quantized_query or tiling is not None:
-        raise ValueError("the baseline kernel is not run with quantized_query or a tiling")
+def call(module: types.ModuleType, *args, fp8_query: bool = False, tiling=None, **kwargs):
+    """The earlier kernel on today's arguments; it has no FP8-query mode and no tiling choice."""
+    if fp8_query or tiling is not None:
+        raise ValueError("the baseline kernel has no fp8_query or tiling")
     return module.paged_decode_attention(*args, **kwargs)
 
 

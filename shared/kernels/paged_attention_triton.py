@@ -30,10 +30,9 @@ no masks (only a chunk's last tile does), each row's address is its page's base 
 computed once, and quantized pages (int8 or float8_e4m3fn values with a float32 scale per token and
 kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per value as possible:
 
-- "fp16" (the default for quantized pages): the values are converted exactly to fp16 (every int8
-  and e4m3 value is an fp16 value; int8 by an integer add under an fp16 exponent and one
-  subtraction rather than the quarter-rate int-to-float instruction), q is rounded
-  to fp16 once with the softmax scale folded in, and the scales stay outside the products: each
+- "fp16" (float8_e4m3fn pages): the values are converted exactly to fp16 (every e4m3 value is an
+  fp16 value), q is rounded to fp16 once with the softmax scale folded in, and the scales stay
+  outside the products: each
   token's K scale multiplies its column of scores, its V scale its column of probabilities, as
   the log2 of the scale added to the score before the online softmax's running maximum
   (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the scales' size,
@@ -42,7 +41,10 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), and the scores come
   from integer tensor cores (IMMA) on the K tile as it is stored, hi * 127 + lo exact in int32: no
   K value is converted, which leaves a fifth fewer instructions per byte (count_attention_sass).
-  V is converted as in "fp16".
+  V is converted to fp16 exactly (every int8 value is an fp16 value) by an integer add under an
+  fp16 exponent and one subtraction rather than the quarter-rate int-to-float instruction; the
+  scales stay outside the products as in "fp16". On an H100 the attention ran in 0.95x the time of
+  the fp16 conversion of both tiles, no less accurate (docs/BENCHMARKS.md).
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -391,28 +393,29 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("page_table rows and seq_lens must be contiguous")
 
 
-def compute_mode(q: torch.Tensor, k_cache: torch.Tensor, quantized_query: bool) -> str:
-    """The products' mode for these pages: "native" in q's dtype, "fp16" for quantized pages,
-    "int8_query" or "fp8_query" where a quantized query is asked for with int8 or float8_e4m3fn pages."""
+def compute_mode(q: torch.Tensor, k_cache: torch.Tensor, fp8_query: bool) -> str:
+    """The products' mode for these pages: "native" in q's dtype, "int8_query" for int8 pages, "fp16"
+    for float8_e4m3fn pages, "fp8_query" where asked for them."""
     if k_cache.dtype == q.dtype:
         return "native"
-    if quantized_query:
-        return "int8_query" if k_cache.dtype == torch.int8 else "fp8_query"
-    return "fp16"
+    if k_cache.dtype == torch.int8:
+        if fp8_query:
+            raise ValueError("fp8_query needs float8_e4m3fn pages, not int8")
+        return "int8_query"
+    return "fp8_query" if fp8_query else "fp16"
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_splits: int | None = None, quantized_query: bool = False,
+                           num_splits: int | None = None, fp8_query: bool = False,
                            tiling: Tiling | None = None, window: int = 0,
                            merge_here: bool | None = None) -> torch.Tensor:
     """Attention of q [B, H, D] over paged K/V [num_pages, page_size, KVH, D]; returns [B, H, D] in
     q's dtype. page_table [B, max_pages] and seq_lens [B] are int32 on q's device, seq_lens >= 1.
     k_scale/v_scale: float32 [num_pages, page_size, KVH] scales of int8 or float8_e4m3fn caches,
     None for caches in q's dtype. num_splits=None picks it from the shapes (see _choose_num_splits).
-    quantized_query: quantized pages only, q in their format too (modes "int8_query" and "fp8_query",
-    module docstring); ignored for pages in q's dtype.
+    fp8_query: float8_e4m3fn pages only, q and the probabilities in e4m3 too (module docstring).
     tiling: the loop's tile and warps, default_tiling's for the mode, batch and page-table width when None
     (benchmarks sweep it).
     window > 0: each sequence reads only its tokens from seq_lens[b] - window on (a sliding window).
@@ -424,7 +427,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    mode = compute_mode(q, k_cache, quantized_query)
+    mode = compute_mode(q, k_cache, fp8_query)
     tiling = tiling or default_tiling(mode, batch, page_table.shape[1] * page_size)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")

@@ -91,16 +91,15 @@ def _window_mask(length: int, context: int, window: int, device: torch.device) -
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           quantized_query: bool = False, window: int = 0) -> torch.Tensor:
+                           fp8_query: bool = False, window: int = 0) -> torch.Tensor:
     """q [B, H, D]; caches [pages, page_size, KVH, D]; page_table [B, P]; seq_lens [B] -> [B, H, D].
     k_scale/v_scale [pages, page_size, KVH]: the scales of quantized caches, None for unquantized.
-    quantized_query: q in the quantized pages' format (int8 or e4m3), a mode of the GPU kernel (the CPU
-    path ignores it).
+    fp8_query: e4m3 q over float8_e4m3fn pages, a mode of the GPU kernel (the CPU path ignores it).
     window > 0: each sequence reads only its tokens at seq_len - window and after."""
     if q.is_cuda:
         return paged_attention_triton.paged_decode_attention(
             q, k_cache, v_cache, page_table.to(torch.int32), seq_lens.to(torch.int32), scale, k_scale, v_scale,
-            quantized_query=quantized_query, window=window)
+            fp8_query=fp8_query and k_cache.dtype == torch.float8_e4m3fn, window=window)
     batch, max_pages = page_table.shape
     _, page_size, kv_heads, head_dim = k_cache.shape
     length = max_pages * page_size

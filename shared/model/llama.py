@@ -72,9 +72,9 @@ class PagedLlama:
             self.total_kv_heads = self.num_kv_heads = 1
             self.head_dim, self.scale = self.mla.shape.latent_dim, self.mla.shape.scale
         self.linears = LinearChooser()  # the fused decode's matmuls: cuBLAS or the Triton GEMV, per shape
-        # Quantized pages on a GPU: q in their format too, the scores on int8 or FP8 tensor cores
-        # (shared/kernels/paged_attention_triton.py); benchmarks compare it.
-        self.quantized_query = False
+        # float8_e4m3 pages on a GPU: q and the probabilities in e4m3 too, both attention products on
+        # FP8 tensor cores (shared/kernels/paged_attention_triton.py); benchmarks compare it.
+        self.fp8_query = False
         # The prefill's fused Triton kernels run on the GPU (tests run them on the CPU, interpreted).
         self.fused_prefill = self.device.type == "cuda"
         # There, the residual adds inside the matmuls where they can be (_output_and_mlp_fused);
@@ -357,7 +357,7 @@ class PagedLlama:
                                        pool.key_scale(index), pool.value_scale(index))
         return attention.paged_decode_attention(q, pool.key(index), pool.value(index), page_table, seq_lens,
                                                 self.scale, pool.key_scale(index), pool.value_scale(index),
-                                                self.quantized_query, self.windows[index])
+                                                self.fp8_query, self.windows[index])
 
 
 def _check_head_norms(config, weights: LlamaWeights) -> None:
