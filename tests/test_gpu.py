@@ -166,7 +166,7 @@ def test_short_steps_over_a_long_context_table_replay_the_narrow_capture():
     captured over a table of SHORT_CONTEXT tokens, which a step of a shorter sequence replays and a
     longer one does not. Either replay computes the eager step."""
     from services.decode.cuda_graphs import SHORT_CONTEXT, GraphedDecode
-    from shared.kernels.paged_attention_triton import LONG_CONTEXT
+    from shared.kernels.decode_tiling import LONG_CONTEXT
     from shared.model.llama import load_paged_llama
     from tests.decode_inputs import PAGE_SIZE, prefilled_step_inputs
 

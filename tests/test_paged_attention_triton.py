@@ -20,9 +20,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from shared.kernels import kv_quant  # noqa: E402
-from shared.kernels.paged_attention_triton import (  # noqa: E402
+from shared.kernels.decode_tiling import (  # noqa: E402
     DEFAULT_TILING, LARGE_BATCH, LARGE_BATCH_TILING, LONG_CONTEXT, MANY_SEQUENCES, MANY_SEQUENCES_TILING, Tiling,
-    _choose_num_splits, compute_mode, default_tiling, paged_decode_attention,
+    default_tiling,
+)
+from shared.kernels.paged_attention_triton import (  # noqa: E402
+    _choose_num_splits, compute_mode, paged_decode_attention,
 )
 from shared.model import attention  # noqa: E402
 

@@ -24,7 +24,7 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from shared.kernels import kv_quant
-from shared.kernels.paged_attention_triton import Tiling
+from shared.kernels.decode_tiling import Tiling
 from shared.kernels.paged_attention_triton import (
     paged_decode_attention as triton_decode,
 )

@@ -26,7 +26,8 @@ from loadtest.lib import baseline_attention
 from loadtest.lib.device_rates import copy_bandwidth_gbs, graphed_time_ms
 from loadtest.lib.report import emit
 from shared.kernels import kv_quant
-from shared.kernels.paged_attention_triton import Tiling, compute_mode, default_tiling, paged_decode_attention
+from shared.kernels.decode_tiling import Tiling, default_tiling
+from shared.kernels.paged_attention_triton import compute_mode, paged_decode_attention
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool, make_layout, token_bytes
 

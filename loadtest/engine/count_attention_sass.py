@@ -26,15 +26,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from loadtest.lib.report import emit
+from shared.kernels.decode_tiling import DEFAULT_TILING, LARGE_BATCH_TILING, Tiling
 from shared.kernels.mla_decode_triton import _MERGE_COLUMNS, _PRODUCTS, _mla_split_kernel
 from shared.kernels.mla_decode_triton import default_tiling as latent_tiling
-from shared.kernels.paged_attention_triton import (
-    DEFAULT_TILING,
-    LARGE_BATCH_TILING,
-    MODES,
-    Tiling,
-    _paged_decode_split_kernel,
-)
+from shared.kernels.paged_attention_triton import MODES, _paged_decode_split_kernel
 from shared.kernels.split_merge_triton import _SPLITS_PER_LOAD, _merge_kernel
 
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",

@@ -6,7 +6,7 @@ static input buffers; a step then copies its inputs in and replays one graph. A 
 padded up to the next bucket: padding rows sit at position 0 of a scratch page that no request
 owns, so they write nothing that matters. Batches above the largest bucket run eagerly.
 The page table is as wide as the model's context, so one graph serves every length. Where that
-width gives a bucket the decode attention's long-context tiles (paged_attention_triton.wide_tiles)
+width gives a bucket the decode attention's long-context tiles (decode_tiling.wide_tiles)
 and a table of SHORT_CONTEXT tokens would not, the bucket is also captured with the narrow table,
 and a step whose sequences all fit it replays that graph: short sequences run faster in the
 narrow tiles, long ones in the wide (docs/BENCHMARKS.md, one sequence at 512K).
@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from services.decode.step_inputs import StepInputs
-from shared.kernels.paged_attention_triton import wide_tiles
+from shared.kernels.decode_tiling import wide_tiles
 from shared.kv.pool import PagedKvPool
 from shared.model.llama import PagedLlama
 
