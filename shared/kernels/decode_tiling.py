@@ -14,9 +14,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Tiling:
     """Tokens per loop iteration, the program's warps and pipeline depth, and where quantized
-    tiles become fp16: where Triton puts it, or on the tile as loaded (inline PTX, see paged_attention_triton._to_fp16),
-    which issues fewer instructions but ran the attention 1.06-1.16x slower on an H100 (batch 1 x 1K
-    to 32 x 8K, docs/BENCHMARKS.md): Triton pipelines the loads of the tiles it converts itself.
+    tiles become fp16: where Triton puts it, or on the tile as loaded (inline PTX, see
+    paged_attention_triton._to_fp16), which issues fewer instructions but ran the attention
+    1.06-1.16x slower on an H100 (batch 1 x 1K to 32 x 8K, docs/BENCHMARKS.md): Triton pipelines
+    the loads of the tiles it converts itself.
 
     num_stages is Triton's, and the tiles' addresses come from a load of the page table, which
     Triton 3.6 schedules a stage ahead of them: 2 to 4 stages give the K/V tiles one shared-memory

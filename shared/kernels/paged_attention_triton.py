@@ -32,11 +32,10 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
 
 - "fp16" (float8_e4m3fn pages): the values are converted exactly to fp16 (every e4m3 value is an
   fp16 value), q is rounded to fp16 once with the softmax scale folded in, and the scales stay
-  outside the products: each
-  token's K scale multiplies its column of scores, its V scale its column of probabilities, as
-  the log2 of the scale added to the score before the online softmax's running maximum
-  (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the scales' size,
-  with no pass over the scales before the loop.
+  outside the products: each token's K scale multiplies its column of scores, its V scale its
+  column of probabilities, as the log2 of the scale added to the score before the online softmax's
+  running maximum (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the
+  scales' size, with no pass over the scales before the loop.
 - "int8_query" (int8 pages): q is written as two int8 terms with one scale per head, q ~ s * (hi +
   lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), and the scores come
   from integer tensor cores (IMMA) on the K tile as it is stored, hi * 127 + lo exact in int32: no
