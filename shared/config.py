@@ -278,8 +278,9 @@ class DecodeConfig:
     # GPU only: the worker id of a prefill on the same GPU whose weights this decode maps through
     # CUDA IPC instead of loading its own copy; empty: load a copy.
     weights_from: str = ""
-    # On a GPU a step of up to this many requests is one CUDA graph replay; larger batches run
-    # eagerly. Empty: no graphs.
+    # On a GPU a step is one CUDA graph replay, its batch padded up to the next of these sizes;
+    # max_batch_size is one too where the list stops below it (graph_batch_sizes). Empty: no
+    # graphs, every step eager.
     cuda_graph_batch_sizes: str = field(default="1,2,4,8,16,32,64", metadata=_check(
         lambda v: all(p.strip().isdigit() and int(p) > 0 for p in v.split(",")) if v else True,
         "must be a comma-separated list of positive batch sizes"))
@@ -295,7 +296,13 @@ class DecodeConfig:
     metrics_address: str = _http_address("127.0.0.1:9402")
 
     def graph_batch_sizes(self) -> list[int]:
-        return [int(p) for p in self.cuda_graph_batch_sizes.split(",") if p.strip()]
+        """The CUDA graphs' batch sizes: the listed ones below max_batch_size, then max_batch_size
+        itself, so that every step the decode takes is a replay (an eager step of a new size would
+        compile kernels while requests wait) and no graph is bigger than a step can be."""
+        listed = sorted({int(p) for p in self.cuda_graph_batch_sizes.split(",") if p.strip()})
+        if not listed:
+            return []
+        return [size for size in listed if size < self.max_batch_size] + [self.max_batch_size]
 
 
 @dataclass

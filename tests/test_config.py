@@ -186,6 +186,18 @@ def test_colocated_refuses_a_spinning_decode():
         load_config(parse(), environ={"PDSERVE_DECODE_IDLE_SPIN_S": "-1"})
 
 
+def test_the_graph_sizes_end_at_the_decode_s_largest_batch():
+    """Every batch the decode steps fits a CUDA graph (none runs eagerly, compiling kernels during
+    requests), and none is captured larger than a step can be."""
+    def sizes(environ):
+        return load_config(None, environ).decode.graph_batch_sizes()
+    assert sizes({}) == [1, 2, 4, 8, 16, 32, 64]
+    assert sizes({"PDSERVE_DECODE_MAX_BATCH_SIZE": "100"}) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert sizes({"PDSERVE_DECODE_MAX_BATCH_SIZE": "24"}) == [1, 2, 4, 8, 16, 24]
+    assert sizes({"PDSERVE_DECODE_MAX_BATCH_SIZE": "16", "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "16,4,4"}) == [4, 16]
+    assert sizes({"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": ""}) == []
+
+
 def test_kv_transfer_is_checked_against_the_device_and_the_service():
     assert load_config(None, {"PDSERVE_KV_TRANSFER": "nixl"}).kv.transfer == "nixl"
     with pytest.raises(ConfigError, match="PDSERVE_KV_TRANSFER.*must be auto, shm, cuda_ipc or nixl"):

@@ -498,7 +498,8 @@ def test_a_worker_on_a_gpu_other_than_the_first_runs_there():
 
 EIGHT_B_STACK = {"PDSERVE_MODEL_PATH": "random:llama-3.1-8b", "PDSERVE_MODEL_DEVICE": "cuda:0",
                  "PDSERVE_MODEL_DTYPE": "bfloat16", "PDSERVE_KV_PREFILL_PAGES": "1024",
-                 "PDSERVE_KV_DECODE_PAGES": "2048", "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1,2,4,8"}
+                 "PDSERVE_KV_DECODE_PAGES": "2048", "PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1,2,4,8",
+                 "PDSERVE_DECODE_MAX_BATCH_SIZE": "8"}
 
 
 @pytest.mark.parametrize("prefill, decode", [(2, 1), (1, 2)], ids=["2 prefills 1 decode", "1 prefill 2 decodes"])

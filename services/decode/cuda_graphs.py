@@ -4,7 +4,9 @@ A decode step of a small batch is hundreds of tiny kernels; launched one by one 
 they cost more than the bytes they move. Each bucket's step is captured once at start with
 static input buffers; a step then copies its inputs in and replays one graph. A batch is
 padded up to the next bucket: padding rows sit at position 0 of a scratch page that no request
-owns, so they write nothing that matters. Batches above the largest bucket run eagerly.
+owns, so they write nothing that matters. The buckets end at decode.max_batch_size
+(DecodeConfig.graph_batch_sizes), so the worker's batches all fit one; a larger batch would run
+eagerly.
 The page table is as wide as the model's context, so one graph serves every length. Where that
 width gives a bucket the decode attention's long-context tiles (decode_tiling.wide_tiles)
 and a table of SHORT_CONTEXT tokens would not, the bucket is also captured with the narrow table,
