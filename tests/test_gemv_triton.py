@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from shared.kernels import gemv_triton
 from shared.kernels.fp8_quant_triton import quantize_rows
-from shared.kernels.gemv_triton import CONFIGS, MAX_FP8_ROWS, MAX_ROWS, SUPPORTED_DTYPES, gemv
+from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, WEIGHT_ONLY_ROWS, gemv
 from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
 from shared.model.quantization import fp8_linear
 
@@ -36,11 +36,13 @@ H200_SMS = 132
 HOPPER_SHARED_MEMORY = 232448  # bytes a program may have on an H100 or H200
 
 MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
-W8A8 = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > MAX_ROWS]  # FP8 weights only
-TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == MAX_ROWS]
-SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1 and c.kwargs["BLOCK_M"] <= MAX_ROWS]
-# Multiply-add configs take one row, tensor-core configs up to 16.
-CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
+WIDE = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > WEIGHT_ONLY_ROWS]  # 17 to 64 rows (FP8 weights: W8A8)
+TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == WEIGHT_ONLY_ROWS]
+SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1 and c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+# Multiply-add configs take one row, tensor-core configs up to 16; the wide ones below.
+CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+# Each wide config at the fewest rows it is timed for and at its full block.
+WIDE_ROWS = [(c, rows) for c in WIDE for rows in (c.kwargs["BLOCK_M"] // 2 + 1, c.kwargs["BLOCK_M"])]
 
 
 def config_id(config) -> str:
@@ -103,14 +105,23 @@ def test_bf16_multiply_add(config):
 
 
 @pytest.mark.parametrize("config", SPLIT, ids=config_id)
-def test_split_k_at_max_rows(config):
+def test_split_k_at_16_rows(config):
     # K = 448: the last split gets a partial block (split 2) or nothing at all (split 4).
-    x, weight = operands(MAX_ROWS, 64, 448, torch.float32, DEVICE)
+    x, weight = operands(WEIGHT_ONLY_ROWS, 64, 448, torch.float32, DEVICE)
     check(gemv(x, weight, config), x, weight, FP32_TOL)
 
 
-FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, MAX_ROWS)
-                   if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
+@pytest.mark.parametrize("config,rows", WIDE_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in WIDE_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_wide_configs_unquantized(config, rows, dtype):
+    """17 to 64 rows of a weight in x's dtype: the weight's rows as the MMA's M side, x's rows as
+    its N side, K = 448 leaving the last split a partial block; N = 100 leaving a partial row block."""
+    x, weight = operands(rows, 100, 448, dtype, DEVICE)
+    check(gemv(x, weight, config), x, weight, TOL[dtype])
+
+
+FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, WEIGHT_ONLY_ROWS)
+                   if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
 FP8_SHAPES = {"even": (96, 256), "partial-rows": (51, 256)}  # 51: no BLOCK_N divides it
 
 
@@ -130,16 +141,16 @@ def test_fp8_weight_bf16_x_multiply_add(config):
 @pytest.mark.parametrize("config", TENSOR_CORES, ids=config_id)
 def test_fp8_weight_fp16_x_tensor_cores(config):
     # The fp8 tile widened to a 16-bit dot, which bf16 cannot show in the interpreter.
-    x, weight, scale, dequantized = fp8_operands(MAX_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
+    x, weight, scale, dequantized = fp8_operands(WEIGHT_ONLY_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
     check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP16_TOL)
 
 
-W8A8_ROWS = [(c, rows) for c in W8A8 for rows in (MAX_ROWS + 1, c.kwargs["BLOCK_M"])]
+W8A8_ROWS = [(c, rows) for c in WIDE for rows in (WEIGHT_ONLY_ROWS + 1, c.kwargs["BLOCK_M"])]
 
 
 @pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
 def test_w8a8_configs_compute_fp8_linears_numbers(config, rows):
-    """Past MAX_ROWS the rows are quantized per row (quantize_rows, as fp8_linear quantizes them on
+    """Past WEIGHT_ONLY_ROWS an FP8 weight's rows are quantized per row (quantize_rows, as fp8_linear quantizes them on
     a GPU): the product in float64 of those quantized operands, the scales applied after; on the GPU
     fp8_linear's own result too. (The interpreter's float8 cast rounds 124.3 to 64, not 128, where
     torch's gives 128: there only the kernel's own quantization is the reference.)"""
@@ -153,12 +164,14 @@ def test_w8a8_configs_compute_fp8_linears_numbers(config, rows):
         torch.testing.assert_close(out, fp8_linear(x, weight, scale), **FP16_TOL)
 
 
-def test_w8a8_configs_take_fp8_weights_and_up_to_64_rows():
-    x, weight, scale, dequantized = fp8_operands(MAX_FP8_ROWS + 1, 96, 256, torch.float32, DEVICE)
+def test_wide_configs_take_up_to_64_rows():
+    x, weight, scale, dequantized = fp8_operands(MAX_ROWS + 1, 96, 256, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="at most 64 rows"):
-        gemv(x, weight, W8A8[-1], weight_scale=scale)
-    with pytest.raises(ValueError, match="is for FP8 weights"):
-        gemv(x[:MAX_ROWS], dequantized.float(), W8A8[0])
+        gemv(x, weight, WIDE[-1], weight_scale=scale)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gemv(x, dequantized.float(), WIDE[-1])
+    with pytest.raises(ValueError, match="takes at most 32 rows"):
+        gemv(x[:MAX_ROWS], dequantized.float(), WIDE[0])
 
 
 def test_bad_fp8_inputs_raise():
@@ -192,12 +205,12 @@ def test_usable_configs_at_8b_shapes():
     assert any(c.kwargs["SPLIT_K"] > 1 for c in o_proj_one_row), "N = 4096 leaves SMs idle without split-K"
     assert all(c.kwargs["BLOCK_M"] == 16 for c in usable(8, 4096, 14336))
     assert all(c.kwargs["SPLIT_K"] == 1 for c in usable(1, 28672, 4096)), "gate_up has rows enough"
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, WEIGHT_ONLY_ROWS + 1):
         for n, k in [(96, 64), (576, 576), (128256, 4096)]:
             assert usable(rows, n, k), f"no config for {rows}x{k} @ {n}x{k}"
-            assert all(c.kwargs["BLOCK_M"] <= MAX_ROWS for c in usable(rows, n, k))
-    for rows in range(MAX_ROWS + 1, MAX_FP8_ROWS + 1):  # FP8 weights: the narrowest W8A8 block that holds them
-        for n, k in [(4096, 4096), (6144, 4096), (4096, 14336)]:
+            assert all(c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS for c in usable(rows, n, k))
+    for rows in range(WEIGHT_ONLY_ROWS + 1, MAX_ROWS + 1):  # the narrowest wide block that holds them
+        for n, k in [(4096, 4096), (6144, 4096), (4096, 14336), (128256, 4096)]:
             assert {c.kwargs["BLOCK_M"] for c in usable(rows, n, k)} == {32 if rows <= 32 else 64}
 
 
@@ -205,13 +218,13 @@ def test_usable_configs_fit_shared_memory():
     # A program allowed 100 KB: configs whose pipelined tiles need more are not timed, in fp32 more
     # of them than in bf16.
     def usable(weight_bytes, x_bytes):
-        return gemv_triton.usable_configs(MAX_ROWS, 4096, 14336, H200_SMS, 100_000, weight_bytes, x_bytes)
+        return gemv_triton.usable_configs(WEIGHT_ONLY_ROWS, 4096, 14336, H200_SMS, 100_000, weight_bytes, x_bytes)
 
     def needs(config, element_bytes):
         meta = config.kwargs
         return (config.num_stages - 1) * meta["BLOCK_K"] * (meta["BLOCK_N"] + meta["BLOCK_M"]) * element_bytes
 
-    every = gemv_triton.usable_configs(MAX_ROWS, 4096, 14336, H200_SMS, HOPPER_SHARED_MEMORY)
+    every = gemv_triton.usable_configs(WEIGHT_ONLY_ROWS, 4096, 14336, H200_SMS, HOPPER_SHARED_MEMORY)
     for element_bytes in (2, 4):
         kept = {id(c) for c in usable(element_bytes, element_bytes)}
         assert kept == {id(c) for c in every if needs(c, element_bytes) <= 100_000}
@@ -222,8 +235,10 @@ def test_bad_inputs_raise():
     x, weight = operands(3, 96, 256, torch.float32, DEVICE)
     with pytest.raises(ValueError):
         gemv(x, weight[:, :128].contiguous(), TENSOR_CORES[0])
-    with pytest.raises(ValueError):
-        gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, TENSOR_CORES[0])
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, WIDE[-1])
+    with pytest.raises(ValueError, match="takes at most 16 rows"):
+        gemv(torch.zeros(WEIGHT_ONLY_ROWS + 1, 256, device=DEVICE), weight, TENSOR_CORES[0])
     with pytest.raises(ValueError):
         gemv(x, weight.half(), TENSOR_CORES[0])
     with pytest.raises(ValueError):
@@ -299,7 +314,7 @@ def fastest_gemv(x, weight):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 32, 64])
 @pytest.mark.parametrize("shape", LLAMA_8B.values(), ids=LLAMA_8B.keys())
 def test_8b_shapes_bf16_cuda(shape, rows):
     x, weight = operands(rows, *shape, torch.bfloat16, "cuda")
@@ -318,15 +333,16 @@ def test_small_model_shapes_bf16_cuda(shape, rows):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", MULTIPLY_ADD + TENSOR_CORES, ids=config_id)
+@pytest.mark.parametrize("config", MULTIPLY_ADD + TENSOR_CORES + WIDE, ids=config_id)
 def test_every_config_bf16_cuda(config):
-    rows = 1 if config.kwargs["BLOCK_M"] == 1 else 5
+    rows = {1: 1, WEIGHT_ONLY_ROWS: 5}.get(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_M"] - 3)
     x, weight = operands(rows, 4096, 14336, torch.bfloat16, "cuda")
     check(gemv(x, weight, config), x, weight, BF16_TOL)
 
 
 # Weight-only (W8A16) configs; the W8A8 ones quantize the rows: test_w8a8_configs_at_the_8b_shape_cuda.
-FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, MAX_ROWS) if rows <= c.kwargs["BLOCK_M"] <= MAX_ROWS]
+FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, WEIGHT_ONLY_ROWS)
+                        if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
 
 
 @pytest.mark.gpu
@@ -344,7 +360,7 @@ def test_every_config_fp8_weight_cuda(config, rows, dtype):
 @needs_cuda
 @pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
 def test_w8a8_configs_at_the_8b_shape_cuda(config, rows):
-    """bf16 rows past MAX_ROWS: fp8_linear's numbers (the rows quantized, torch._scaled_mm)."""
+    """bf16 rows past WEIGHT_ONLY_ROWS: fp8_linear's numbers (the rows quantized, torch._scaled_mm)."""
     x, weight, scale, _ = fp8_operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
     torch.testing.assert_close(gemv(x, weight, config, weight_scale=scale), fp8_linear(x, weight, scale), **BF16_TOL)
 
@@ -362,9 +378,10 @@ def test_supports_fp8_weight_only_with_its_scale_cuda():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_cuda():
-    x, weight = operands(8, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
-    down_x, down = operands(8, *LLAMA_8B["down"], torch.bfloat16, "cuda")
+@pytest.mark.parametrize("rows", [8, 48])
+def test_cuda_graph_replay_cuda(rows):
+    x, weight = operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
+    down_x, down = operands(rows, *LLAMA_8B["down"], torch.bfloat16, "cuda")
     chooser = LinearChooser("gemv")
     for a, b in ((x, weight), (down_x, down)):
         chooser.apply(a, b)  # times and compiles, which must happen outside the capture

@@ -3,7 +3,7 @@
     python -m loadtest.engine.bench_gemv_configs [--rows 1,8] [--weights bf16|fp8] [--top 8] [--out FILE]
 
 What chose shared/kernels/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
-batch (tensor cores), reads each Llama-3.1-8B weight shape, timed as the decode's LinearChooser
+batch (tensor cores, in the narrowest block of 16, 32 or 64 rows that holds it), reads each Llama-3.1-8B weight shape, timed as the decode's LinearChooser
 times its candidates (back to back in a CUDA graph, weights rotated past L2). In the same run:
 cuBLAS on the same shape in bf16 (the baseline), and the floor, the weight's bytes over the device's
 copy bandwidth (bytes read + written per second of a 4 GiB device-to-device copy). --weights fp8
@@ -31,19 +31,21 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 
 
 def grid(rows: int, fp8: bool) -> list:
-    """Tensor-core configs (x padded to 16 rows), and for one row the multiply-add configs too. FP8
-    weights: tensor-core blocks of 8-32 KB, and for one row the shipped multiply-add configs."""
+    """Tensor-core configs (x padded to the narrowest block that holds the rows), and for one row the
+    multiply-add configs too. FP8 weights: tensor-core blocks of 8-32 KB, and for one row the shipped
+    multiply-add configs."""
     def configs(block_m, blocks, tuning):
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split},
                               num_warps=warps, num_stages=stages)
                 for (n, k), (warps, stages, split) in itertools.product(blocks, list(tuning))]
 
+    block_m = next(b for b in (gemv_triton.WEIGHT_ONLY_ROWS, 32, gemv_triton.MAX_ROWS) if rows <= b)
     if fp8:
-        tensor_cores = configs(gemv_triton.MAX_ROWS, [(64, 128), (64, 256), (128, 128), (128, 256), (256, 128)],
+        tensor_cores = configs(block_m, [(64, 128), (64, 256), (128, 128), (128, 256), (256, 128)],
                                itertools.product([4, 8], [3, 4], [1, 2, 4]))
         multiply_add = [c for c in gemv_triton.CONFIGS if c.kwargs["BLOCK_M"] == 1]
         return tensor_cores if rows > 1 else multiply_add + tensor_cores
-    tensor_cores = configs(gemv_triton.MAX_ROWS, [(n, k) for n, k in itertools.product([32, 64, 128], [64, 128, 256])
+    tensor_cores = configs(block_m, [(n, k) for n, k in itertools.product([32, 64, 128], [64, 128, 256])
                                                   if n * k <= 16384],
                            itertools.product([4, 8], [3, 4, 5], [1, 2, 4]))
     if rows > 1:
@@ -66,7 +68,9 @@ def sweep(rows: int, fp8: bool, top: int, bandwidth_gbs: float) -> list[dict]:
             continue  # the lm_head stays bf16 (shared/model/quantization.py)
         weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]]
+        shared_memory = gemv_triton.shared_memory_per_program(torch.cuda.current_device())
+        usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
+                  and gemv_triton.fits_shared_memory(c, shared_memory, 1 if fp8 else 2, 2)]
         times = time_per_call_ms({"cublas": functools.partial(F.linear, x)}, weight)
         scale = None
         if fp8:

@@ -1,14 +1,16 @@
-"""Skinny matmul for the decode step, in Triton: out[M, N] = x[M, K] @ weight[N, K]^T, M <= 16
-(FP8 weights: M <= 64).
+"""Skinny matmul for the decode step, in Triton: out[M, N] = x[M, K] @ weight[N, K]^T, M <= 64.
 
-It is F.linear without bias for a batch of at most 16 rows. There a decode step is bound by reading
+It is F.linear without bias for a batch of at most 64 rows. There a decode step is bound by reading
 each weight once, so the kernel is built to stream the weight at HBM bandwidth: program (n, s)
 reads a contiguous block of BLOCK_N weight rows, 16-byte loads along K, over its share s of K, and
 accumulates in fp32. Two inner products, one per kind of config:
 
     BLOCK_M == 1    multiply-add on the CUDA cores: the [BLOCK_N, BLOCK_K] products accumulate
                     elementwise and are summed over K once, after the loop (M = 1 only)
-    BLOCK_M == 16   tl.dot on the tensor cores, x padded to 16 rows (any M <= 16)
+    BLOCK_M >= 16   tl.dot on the tensor cores, the weight's BLOCK_N rows as the MMA's M side (64
+                    rows make one Hopper warpgroup MMA) and x padded to BLOCK_M rows: 16 for
+                    M <= 16, 32 and 64 for the wider batches, where cuBLAS's kernels read the
+                    weight at 0.64-0.84 of the copy rate on the H200 (docs/BENCHMARKS.md)
 
 Split-K: where N / BLOCK_N programs would leave SMs idle (o_proj and down_proj of Llama-8B have
 N = 4096 on 132 SMs), the grid's second axis cuts K into SPLIT_K ranges; each writes fp32 partial
@@ -42,8 +44,10 @@ import torch
 from shared.kernels.fp8_quant_triton import quantize_rows
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
-MAX_ROWS = 16  # the tensor-core configs pad x to 16 rows
-MAX_FP8_ROWS = 64  # FP8 weights: up to 64 rows, W8A8
+MAX_ROWS = 64
+# The narrowest tensor-core block; up to this many rows an FP8 weight meets them as they are (W8A16),
+# past it they are quantized per row (W8A8), as shared/model/quantization.fp8_linear does.
+WEIGHT_ONLY_ROWS = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The weight dtype that comes with a per-output-channel weight_scale.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -78,7 +82,7 @@ if triton is not None:
         _config(16, 32, 256, 1, 4, 4),
         _config(16, 64, 128, 2, 4, 4),
         _config(16, 32, 256, 4, 4, 4),
-        # W8A8 (FP8 weights, more than MAX_ROWS rows): 32 and 64 rows a block, split-K for the small N.
+        # 17 to 64 rows (FP8 weights: W8A8): 32 and 64 rows a block, split-K for the small N.
         _config(32, 64, 128, 1, 4, 4),
         _config(32, 64, 128, 2, 4, 4),
         _config(64, 64, 128, 1, 4, 3),
@@ -179,20 +183,26 @@ def shared_memory_per_program(device_index: int) -> int:
 def usable_configs(rows: int, n: int, k: int, sms: int, shared_memory: int,
                    weight_bytes: int = 2, x_bytes: int = 2) -> list:
     """The configs worth timing for a shape on a GPU of `sms` SMs: multiply-add only for one row,
-    the tensor cores in the narrowest block of rows that holds them (past MAX_ROWS: FP8 weights
-    only); split-K only where the row blocks leave SMs idle and every split gets at least one K
-    block; none whose pipelined tiles (num_stages - 1 of them, as Triton 3.6 allocates them) of
-    weight_bytes and x_bytes elements pass the `shared_memory` a program may have."""
+    the tensor cores in the narrowest block of rows that holds them; split-K only where the row
+    blocks leave SMs idle and every split gets at least one K block; none that does not fit the
+    `shared_memory` a program may have (fits_shared_memory)."""
     def usable(config) -> bool:
         meta = config.kwargs
-        if meta["BLOCK_M"] < rows or (meta["BLOCK_M"] > MAX_ROWS and meta["BLOCK_M"] // 2 >= rows):
+        if meta["BLOCK_M"] < rows or (meta["BLOCK_M"] > WEIGHT_ONLY_ROWS and meta["BLOCK_M"] // 2 >= rows):
             return False
-        tile = meta["BLOCK_K"] * (meta["BLOCK_N"] * weight_bytes + meta["BLOCK_M"] * x_bytes)
-        if (config.num_stages - 1) * tile > shared_memory:
+        if not fits_shared_memory(config, shared_memory, weight_bytes, x_bytes):
             return False
         return meta["SPLIT_K"] == 1 or (triton.cdiv(n, meta["BLOCK_N"]) < _SPLIT_BELOW_PROGRAMS_PER_SM * sms
                                         and k >= meta["SPLIT_K"] * meta["BLOCK_K"])
     return [config for config in CONFIGS if usable(config)]
+
+
+def fits_shared_memory(config, shared_memory: int, weight_bytes: int, x_bytes: int) -> bool:
+    """Whether the config's pipelined tiles (num_stages - 1 of them, as Triton 3.6 allocates them) of
+    weight_bytes and x_bytes elements fit the `shared_memory` a program may have."""
+    meta = config.kwargs
+    tile = meta["BLOCK_K"] * (meta["BLOCK_N"] * weight_bytes + meta["BLOCK_M"] * x_bytes)
+    return (config.num_stages - 1) * tile <= shared_memory
 
 
 def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
@@ -200,19 +210,15 @@ def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
             and weight_scale.is_contiguous() and weight_scale.device == weight.device)
 
 
-def max_rows(weight_scale: torch.Tensor | None) -> int:
-    return MAX_ROWS if weight_scale is None else MAX_FP8_ROWS
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether gemv takes these on the GPU: CUDA, triton present, at most max_rows rows, contiguous
+    """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, contiguous
     last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale."""
     if weight_scale is None:
         weight_fits = weight.dtype == x.dtype
     else:
         weight_fits = weight.dtype == FP8_DTYPE and _scale_fits(weight, weight_scale)
     return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
-            and 0 < x.shape[0] <= max_rows(weight_scale) and x.shape[1] == weight.shape[1]
+            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
             and weight_fits and x.dtype in SUPPORTED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
@@ -220,8 +226,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor |
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
-    if x.shape[0] > max_rows(weight_scale):
-        raise ValueError(f"gemv takes at most {max_rows(weight_scale)} rows, got {x.shape[0]}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {x.shape[0]}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x {x.dtype} must be one of {SUPPORTED_DTYPES}")
     if weight_scale is None:
@@ -239,11 +245,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight) for x [M <= 16, K], weight [N, K] row-major, with one of CONFIGS: a new
+    """F.linear(x, weight) for x [M <= 64, K], weight [N, K] row-major, with one of CONFIGS: a new
     [M, N] in x's dtype. The weight is in x's dtype, or in FP8_DTYPE with weight_scale float32 [N]
-    (then F.linear(x, weight * weight_scale[:, None]); with a config of more than MAX_ROWS rows, up
-    to 64 rows of x quantized per row first, fp8_linear's W8A8). A config's first call compiles it,
-    so it must not come in a CUDA-graph capture."""
+    (then F.linear(x, weight * weight_scale[:, None]); with a config of more than WEIGHT_ONLY_ROWS
+    rows, x quantized per row first, fp8_linear's W8A8). A config's first call compiles it, so it
+    must not come in a CUDA-graph capture."""
     require_triton("gemv")
     _check(x, weight, weight_scale)
     rows, k = x.shape
@@ -253,9 +259,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
         return out
     if config.kwargs["BLOCK_M"] < rows:
         raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
-    w8a8 = config.kwargs["BLOCK_M"] > MAX_ROWS
-    if w8a8 and weight_scale is None:
-        raise ValueError(f"config {config.kwargs} is for FP8 weights")
+    w8a8 = weight_scale is not None and config.kwargs["BLOCK_M"] > WEIGHT_ONLY_ROWS
     # W8A8: the rows quantized as shared/model/quantization.fp8_linear quantizes them.
     x_in, x_scale = quantize_rows(x) if w8a8 else (x, None)
     split_k = config.kwargs["SPLIT_K"]

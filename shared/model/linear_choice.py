@@ -82,7 +82,7 @@ class LinearChooser:
 
     mode "auto" times both once per shape; "cublas" and "gemv" force one (tests, benchmarks; the
     GEMV's config is still the fastest one). A bias, the CPU and batches above gemv_triton.MAX_ROWS
-    (FP8 weights: MAX_FP8_ROWS) always take F.linear (cuBLAS adds the bias in its epilogue before rounding, which the GEMV does
+    always take F.linear (cuBLAS adds the bias in its epilogue before rounding, which the GEMV does
     not reproduce)."""
 
     def __init__(self, mode: str = "auto"):
@@ -96,9 +96,9 @@ class LinearChooser:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale: an FP8 weight's per-channel scale. Up to gemv_triton.MAX_ROWS rows such a weight
-        takes the GEMV (cuBLAS has no product of bf16 activations with FP8 weights), its fastest
-        config; up to MAX_FP8_ROWS, whichever of the GEMV's W8A8 and shared/model/quantization.
+        """scale: an FP8 weight's per-channel scale. Up to gemv_triton.WEIGHT_ONLY_ROWS rows such a
+        weight takes the GEMV (cuBLAS has no product of bf16 activations with FP8 weights), its
+        fastest config; up to MAX_ROWS, whichever of the GEMV's W8A8 and shared/model/quantization.
         fp8_linear's (torch._scaled_mm) timed faster; other shapes take fp8_linear."""
         if scale is not None:
             return self._apply_fp8(x, weight, bias, scale)
@@ -141,7 +141,7 @@ class LinearChooser:
                                              x.element_size())
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
-        elif x.shape[0] > gemv_triton.MAX_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
+        elif x.shape[0] > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
             candidates = {"cublas": lambda w: fp8_linear(x, w, scale)}
         else:  # weight-only: there is no library product of bf16 rows with FP8 weights
             candidates = {}

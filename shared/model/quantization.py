@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, quantize_rows
-from shared.kernels.gemv_triton import MAX_ROWS as WEIGHT_ONLY_ROWS
+from shared.kernels.gemv_triton import WEIGHT_ONLY_ROWS
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
