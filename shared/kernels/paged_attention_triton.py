@@ -137,9 +137,9 @@ if triton is not None:
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
-              row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_sp, stride_st,
-              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
+              row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_vp, stride_vt, stride_vd,
+              stride_sp, stride_st, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
         chunk's last, partial tile and a window's first (tokens before `begin` or at or past `hi`
         are left out)."""
@@ -150,10 +150,12 @@ if triton is not None:
         else:
             page_at = tok // PAGE_SIZE
             row_at += (tok % PAGE_SIZE) * stride_t
+            v_row_at += (tok % PAGE_SIZE) * stride_vt
             scale_row_at += (tok % PAGE_SIZE) * stride_st
         # int64: page * stride_p overflows int32 for pools above 2**31 elements.
         page = _load(table_row + page_at, tok_mask, MASKED).to(tl.int64)
         rows = page * stride_p + row_at
+        v_rows = page * stride_vp + v_row_at
         scale_rows = page * stride_sp + scale_row_at
         k = _load(k_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
         # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
@@ -176,15 +178,28 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
+            v = _load(v_ptr + v_rows[:, None] + (d * stride_vd)[None, :], tok_mask[:, None], MASKED)
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             v_scale = _load(v_scale_ptr + scale_rows, tok_mask, MASKED)
             weights, alpha, m_new, l_i = _scaled_softmax_tile(qk, v_scale, m_i, l_i)
             if MODE == 2:
                 weights *= _E4M3_MAX
-            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
-            pv = tl.dot(weights.to(tl.float8e4nv if MODE == 2 else tl.float16), _to_fp16(v, MODE, INLINE_PTX))
+            if MODE == 3:
+                # The V tile read as [D, BLOCK_N], so that int8 pages whose tokens are contiguous
+                # (shared/kv/pool.py) reach the integer tensor cores as stored, as K does; the
+                # weights, at most 1, as two int8 terms: w ~ (high + low / 127) / 127, within
+                # 2**-15, the products exact in int32.
+                v_t = _load(v_ptr + v_rows[None, :] + (d * stride_vd)[:, None], tok_mask[None, :], MASKED)
+                scaled = weights * _INT8_MAX
+                high = scaled.to(tl.int32)  # truncation is the floor: scaled >= 0
+                low = ((scaled - high.to(tl.float32)) * _INT8_MAX + 0.5).to(tl.int32)
+                pv = tl.dot(high.to(tl.int8), tl.trans(v_t), out_dtype=tl.int32) * _INT8_MAX
+                pv = tl.dot(low.to(tl.int8), tl.trans(v_t), acc=pv, out_dtype=tl.int32).to(tl.float32)
+                pv *= 1.0 / (_INT8_MAX * _INT8_MAX)
+            else:
+                v = _load(v_ptr + v_rows[:, None] + (d * stride_vd)[None, :], tok_mask[:, None], MASKED)
+                pv = tl.dot(weights.to(tl.float8e4nv if MODE == 2 else tl.float16), _to_fp16(v, MODE, INLINE_PTX))
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @triton.jit
@@ -209,6 +224,7 @@ if triton is not None:
         qk_scale, num_splits, window,
         stride_qb, stride_qh,
         stride_p, stride_t, stride_h,
+        stride_vp, stride_vt, stride_vh, stride_vd,
         stride_sp, stride_st,
         stride_pt, stride_ob, stride_oh,
         num_heads, num_kv_heads,
@@ -233,9 +249,11 @@ if triton is not None:
                     mask=head_mask[:, None], other=0.0)
         table_row = page_table_ptr + b * stride_pt
         row_at = kvh * stride_h + 0 * n
+        v_row_at = kvh * stride_vh + 0 * n
         scale_row_at = kvh + 0 * n
         if BLOCK_N % PAGE_SIZE == 0:
             row_at += (n % PAGE_SIZE) * stride_t
+            v_row_at += (n % PAGE_SIZE) * stride_vt
             scale_row_at += (n % PAGE_SIZE) * stride_st
 
         q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
@@ -266,21 +284,21 @@ if triton is not None:
         first = lo
         if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
-                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
-                                  INLINE_PTX)
+                                  hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
+                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
+                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
-                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION,
-                                  INLINE_PTX)
+                                  hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
+                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
+                                  BLOCK_N, MODE, False, DOT_PRECISION, INLINE_PTX)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
-                                  0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
-                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
-                                  INLINE_PTX)
+                                  0, hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
+                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
+                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX)
         if MODE == 2:
             acc /= _E4M3_MAX
         finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
@@ -327,9 +345,8 @@ def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                   seq_lens: torch.Tensor) -> None:
     batch, num_heads, head_dim = q.shape
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} and v_cache {tuple(v_cache.shape)} "
-                         f"{v_cache.stride()} differ")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not match the kv cache {tuple(k_cache.shape)}")
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -337,7 +354,7 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if page_table.dim() != 2 or page_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
     if k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need a contiguous head_dim")
+        raise ValueError("k_cache needs a contiguous head_dim")
     if page_table.stride(1) != 1 or not seq_lens.is_contiguous():
         raise ValueError("page_table rows and seq_lens must be contiguous")
 
@@ -403,6 +420,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * _LOG2E, num_splits, window or _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         k_scale.stride(0) if k_scale is not None else 0, k_scale.stride(1) if k_scale is not None else 0,
         page_table.stride(0), out.stride(0), out.stride(1),
         num_heads, num_kv_heads,
