@@ -3,8 +3,9 @@ SDPA on the same caches dequantized by shared/kernels/kv_quant.py, and the CPU p
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32 and bf16, small shapes); with CUDA
 the same cases run compiled on the GPU, plus bf16 cases at serving size. Quantized pages are
-computed with q rounded to fp16 (float8_e4m3 pages) or written as two int8 terms (int8 pages) and the
-probabilities in fp16, so they are held to fp16's precision; with fp8_query q and the probabilities
+computed with q and the probabilities rounded to fp16 (float8_e4m3 pages) or written as two int8
+terms each (int8 pages, whose V is by dimension as a pool keeps it), so they are held to fp16's
+precision; with fp8_query q and the probabilities
 are e4m3, held to a relative error.
 """
 

@@ -96,7 +96,8 @@ def count(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> dict:
     constants = {unit_stride: 1, "GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128,
                  "PAGE_SIZE": 16,
                  "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32",
-                 "SPLIT": True, "MERGE_HERE": True, "INLINE_PTX": tiling.convert_on_load, "USE_PDL": True}
+                 "SPLIT": True, "MERGE_HERE": True, "INLINE_PTX": tiling.convert_on_load, "V_LIKE_K": kv_type != "i8",
+                 "USE_PDL": True}
     sass, usage = compile_sass(kernel, types, constants, POINTERS + DIVISIBLE, tiling.num_warps, tiling.num_stages,
                                workdir / f"{mode}_{kv_type}_{tiling.block_n}x{tiling.num_warps}.cubin")
     tile_bytes = 2 * tiling.block_n * 128 * ELEMENT_BYTES[kv_type]

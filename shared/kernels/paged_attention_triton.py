@@ -36,14 +36,15 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   column of probabilities, as the log2 of the scale added to the score before the online softmax's
   running maximum (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the
   scales' size, with no pass over the scales before the loop.
-- "int8_query" (int8 pages): q is written as two int8 terms with one scale per head, q ~ s * (hi +
-  lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), and the scores come
-  from integer tensor cores (IMMA) on the K tile as it is stored, hi * 127 + lo exact in int32: no
-  K value is converted, which leaves a fifth fewer instructions per byte (count_attention_sass).
-  V is converted to fp16 exactly (every int8 value is an fp16 value) by an integer add under an
-  fp16 exponent and one subtraction rather than the quarter-rate int-to-float instruction; the
-  scales stay outside the products as in "fp16". On an H100 the attention ran in 0.95x the time of
-  the fp16 conversion of both tiles, no less accurate (docs/BENCHMARKS.md).
+- "int8_query" (int8 pages): both products on the integer tensor cores (IMMA), on the tiles as
+  stored, no value converted. q is written as two int8 terms with one scale per head, q ~ s * (hi +
+  lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), the scores hi * 127 +
+  lo exact in int32. The probabilities, at most 1 with the V scales in them as in "fp16", likewise:
+  w ~ (hi + lo / 127) / 127, within 2**-15. IMMA reads its second operand along the reduction, which
+  for P V is the tokens: an int8 pool keeps its V pages by dimension (shared/kv/pool.py), so that
+  the V tile is read as stored, as K is along head_dim (any V strides give the same numbers, more
+  slowly). 897 instructions per 128-token iteration against 1,229 with V converted to fp16, and
+  1,598 with K converted too (count_attention_sass).
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -91,8 +92,9 @@ if triton is not None:
 
     @triton.jit
     def _to_fp16(x, MODE: tl.constexpr, INLINE_PTX: tl.constexpr):
-        """Page values as the products take them: fp16 for "fp16" and "int8_query" (exact for int8
-        and e4m3), as they are otherwise.
+        """Page values as the products take them: fp16 for "fp16" (exact for int8 and e4m3: the
+        latent kernel, shared/kernels/mla_decode_triton.py, passes its int8 pages in this mode), as
+        they are otherwise.
 
         Compiled (INLINE_PTX), the conversion is an inline assembly marked impure, which Triton
         keeps where it stands: on the tile as loaded, 16 contiguous bytes a thread, whose fp16 copy
@@ -102,7 +104,7 @@ if triton is not None:
         (loadtest/engine/count_attention_sass.py). Yet it ran slower (Tiling.convert_on_load says
         why), so it is a choice. The interpreter runs no assembly: there the same numbers come
         from Triton's own operations."""
-        if MODE != 1 and MODE != 3:
+        if MODE != 1:
             y = x
         elif x.dtype == tl.int8:
             # 0x64XX is 1024.0 + XX (fp16's unit in the last place is 1 from 1024 to 2048): with
@@ -139,7 +141,7 @@ if triton is not None:
     def _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
               row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_vp, stride_vt, stride_vd,
               stride_sp, stride_st, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr, V_LIKE_K: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
         chunk's last, partial tile and a window's first (tokens before `begin` or at or past `hi`
         are left out)."""
@@ -155,7 +157,7 @@ if triton is not None:
         # int64: page * stride_p overflows int32 for pools above 2**31 elements.
         page = _load(table_row + page_at, tok_mask, MASKED).to(tl.int64)
         rows = page * stride_p + row_at
-        v_rows = page * stride_vp + v_row_at
+        v_rows = rows if V_LIKE_K else page * stride_vp + v_row_at  # the same addresses: no second product
         scale_rows = page * stride_sp + scale_row_at
         k = _load(k_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
         # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
@@ -230,7 +232,8 @@ if triton is not None:
         num_heads, num_kv_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, INLINE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
+        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, INLINE_PTX: tl.constexpr, V_LIKE_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
@@ -286,19 +289,19 @@ if triton is not None:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
                                   hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
                                   stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX)
+                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
                                   hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
                                   stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, False, DOT_PRECISION, INLINE_PTX)
+                                  BLOCK_N, MODE, False, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
                                   0, hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
                                   stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX)
+                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
         if MODE == 2:
             acc /= _E4M3_MAX
         finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
@@ -428,7 +431,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1, MERGE_HERE=merge_here,
-        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, num_warps=tiling.num_warps,
+        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, V_LIKE_K=v_cache.stride() == k_cache.stride(),
+        num_warps=tiling.num_warps,
         num_stages=tiling.num_stages, **pdl_options(q.device),
     )
     if num_splits > 1 and not merge_here:
