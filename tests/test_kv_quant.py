@@ -91,29 +91,6 @@ def test_scale_shards_follow_the_page_shards_aligned(dtype):
     assert pool.value_scale(1).data_ptr() == pool.scales[3].data_ptr()
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16], ids=str)
-def test_an_int8_pool_keeps_its_values_by_dimension(dtype):
-    """A token's V in an int8 pool: one byte every page_size in its page, [kv_heads, head_dim,
-    page_size] (the decode attention reads V along the tokens); its K, and both in the other
-    formats, by token, [page_size, kv_heads, head_dim]. value() shows either as the latter."""
-    layout = make_layout(**SPEC, dtype=dtype)
-    pool, _buffer = allocate_local_pool(layout, "cpu")
-    heads, dim, slots = SPEC["num_kv_heads"], SPEC["head_dim"], SPEC["page_size"]
-    k, v = torch.randn(2, 1, heads, dim, generator=torch.Generator().manual_seed(0))
-    if not kv_quant.is_quantized(dtype):
-        k, v = k.to(dtype), v.to(dtype)
-    pool.write(1, torch.tensor([4]), torch.tensor([3]), k, v)
-    stored = [kv_quant.quantize(x, dtype)[0] if kv_quant.is_quantized(dtype) else x for x in (k, v)]
-    key_page, value_page = (pool.kv[shard, 4].flatten() for shard in (2, 3))  # the bytes as they lie
-    assert torch.equal(key_page.view(slots, heads, dim)[3].view(torch.uint8), stored[0][0].view(torch.uint8))
-    by_dimension = dtype == torch.int8
-    lies = value_page.view(heads, dim, slots)[:, :, 3] if by_dimension else value_page.view(slots, heads, dim)[3]
-    assert torch.equal(lies.view(torch.uint8), stored[1][0].view(torch.uint8))
-    assert torch.equal(pool.value(1)[4, 3].view(torch.uint8), stored[1][0].view(torch.uint8))
-    assert torch.count_nonzero(pool.value(1).view(torch.uint8)) == torch.count_nonzero(stored[1].view(torch.uint8))
-    assert (pool.value(1).stride(1) == 1) == by_dimension
-
-
 def test_an_unquantized_pool_has_no_scales():
     layout = make_layout(**SPEC, dtype=torch.bfloat16)
     pool, _buffer = allocate_local_pool(layout, "cpu")

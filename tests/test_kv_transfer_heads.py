@@ -57,7 +57,7 @@ def scramble(pool: PagedKvPool, seed: int) -> None:
 
 def heads_of(pool: PagedKvPool, pages: list[int], heads: slice = slice(None)) -> list[torch.Tensor]:
     """The pages' bits of those heads, values and scales, on the CPU."""
-    return [bits[:, pages, :, heads].cpu() for bits in pool.head_views()]
+    return [bits[:, pages, :, heads].cpu() for bits in (pool.kv_bits, pool.scale_bits) if bits is not None]
 
 
 def assert_same(pieces: list[torch.Tensor], expected: list[torch.Tensor]) -> None:

@@ -110,10 +110,9 @@ def quantized_pool(model, kv_dtype: str, num_pages: int = 48):
     return allocate_local_pool(layout, model.device)[0]
 
 
-def first_tokens(shards, pages: list[int], count: int) -> torch.Tensor:
-    """[shards, count, ...]: the first `count` token slots of the pages, in each of the shards as
-    the pool shows them (an int8 pool keeps V by dimension in memory)."""
-    return torch.stack([shard[pages].flatten(0, 1)[:count] for shard in shards])
+def first_tokens(kv, count: int) -> torch.Tensor:
+    """[shards, count, ...]: the first `count` token slots of the pages kv[:, pages] lists."""
+    return kv.flatten(1, 2)[:, :count]
 
 
 @pytest.mark.slow
@@ -129,9 +128,9 @@ def test_quantized_prefill_in_chunks_and_after_a_cached_prefix(model, pool, toke
     exact = model.prefill(ids, pool, pages)
     whole = model.prefill(ids, quantized, pages)
     torch.testing.assert_close(whole, exact, atol=1e-5, rtol=1e-5)
-    values, scales = kv_quant.quantize(first_tokens(pool.shards(), pages, len(ids)), quantized.kv.dtype)
-    assert torch.equal(first_tokens(quantized.shards(), pages, len(ids)).view(torch.uint8), values.view(torch.uint8))
-    assert torch.equal(first_tokens(quantized.scales, pages, len(ids)), scales)
+    values, scales = kv_quant.quantize(first_tokens(pool.kv[:, pages], len(ids)), quantized.kv.dtype)
+    assert torch.equal(first_tokens(quantized.kv[:, pages], len(ids)).view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(first_tokens(quantized.scales[:, pages], len(ids)), scales)
     chunked = model.prefill(ids, quantized, pages, chunk_tokens=7)
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
 

@@ -3,9 +3,8 @@ SDPA on the same caches dequantized by shared/kernels/kv_quant.py, and the CPU p
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32 and bf16, small shapes); with CUDA
 the same cases run compiled on the GPU, plus bf16 cases at serving size. Quantized pages are
-computed with q and the probabilities rounded to fp16 (float8_e4m3 pages) or written as two int8
-terms each (int8 pages, whose V is by dimension as a pool keeps it), so they are held to fp16's
-precision; with fp8_query q and the probabilities
+computed with q rounded to fp16 (float8_e4m3 pages) or written as two int8 terms (int8 pages) and the
+probabilities in fp16, so they are held to fp16's precision; with fp8_query q and the probabilities
 are e4m3, held to a relative error.
 """
 
@@ -28,7 +27,6 @@ from shared.kernels.decode_tiling import (  # noqa: E402
 from shared.kernels.paged_attention_triton import (  # noqa: E402
     _choose_num_splits, compute_mode, paged_decode_attention,
 )
-from shared.kv.pool import values_by_dimension  # noqa: E402
 from shared.model import attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,15 +98,6 @@ def quantized(cache, kv_dtype):
     return values, scales
 
 
-def as_in_a_pool(values):
-    """V pages in the memory order a pool of their dtype keeps them: an int8 pool's by dimension,
-    [pages, kv_heads, head_dim, page_size], shown as [pages, page_size, kv_heads, head_dim]
-    (shared/kv/pool.py)."""
-    if not values_by_dimension(str(values.dtype).removeprefix("torch.")):
-        return values
-    return values.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-
-
 def check_quantized(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, kv_dtype, dtype=torch.float32,
                     device=DEVICE, tol=None, page_size=16, tiling=None, value_size=1.0):
     """The kernel over quantized pages against SDPA over the same pages dequantized; value_size
@@ -116,7 +105,6 @@ def check_quantized(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, kv_
     q, k_cache, v_cache, page_table, seq_lens_t = make_case(
         seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, device)
     (k_values, k_scale), (v_values, v_scale) = quantized(k_cache, kv_dtype), quantized(v_cache * value_size, kv_dtype)
-    v_values = as_in_a_pool(v_values)
     scale = head_dim ** -0.5
     out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens_t, scale, k_scale, v_scale,
                                  num_splits=num_splits, tiling=tiling)
@@ -286,20 +274,8 @@ def test_int8_query_keeps_small_query_components():
     ref = reference(q, kv_quant.dequantize(k_values, k_scale, torch.float32),
                     kv_quant.dequantize(v_values, v_scale, torch.float32), page_table, seq_lens, 1.0)
     assert compute_mode(q, k_values, fp8_query=False) == "int8_query"
-    out = paged_decode_attention(q, k_values, as_in_a_pool(v_values), page_table, seq_lens, 1.0, k_scale, v_scale)
+    out = paged_decode_attention(q, k_values, v_values, page_table, seq_lens, 1.0, k_scale, v_scale)
     torch.testing.assert_close(out.float(), ref, **FP16_TOL)
-
-
-def test_int8_values_in_either_page_order():
-    """The kernel takes V's strides as they come: int8 pages by dimension, as a pool keeps them,
-    and by token give the same output, bit for bit."""
-    q, k_cache, v_cache, page_table, seq_lens = make_case([100, 37], 8, 2, 64, 16, torch.float32, DEVICE)
-    (k_values, k_scale), (v_values, v_scale) = (quantized(c, torch.int8) for c in (k_cache, v_cache))
-    by_dimension = as_in_a_pool(v_values)
-    assert by_dimension.stride()[1] == 1 and v_values.stride()[-1] == 1
-    outs = [paged_decode_attention(q, k_values, v, page_table, seq_lens, 0.125, k_scale, v_scale, num_splits=2)
-            for v in (by_dimension, v_values)]
-    assert torch.equal(*outs) and torch.isfinite(outs[0]).all()
 
 
 def test_quantized_caches_need_both_scales():
@@ -394,7 +370,6 @@ def test_cuda_graph_replay_follows_the_inputs(kv_dtype):
     and the grid are fixed by the shapes, the lengths and pages are read on the device."""
     q, k_cache, v_cache, table, lens = make_case([5000, 4999, 3000], 32, 8, 128, 16, torch.bfloat16, "cuda")
     (k, k_scale), (v, v_scale) = (quantized(c, kv_dtype) if kv_dtype else (c, None) for c in (k_cache, v_cache))
-    v = as_in_a_pool(v)
     captured_lens = torch.tensor([5000, 17, 3000], dtype=torch.int32, device="cuda")
     paged_decode_attention(q, k, v, table, captured_lens, 128 ** -0.5, k_scale, v_scale)  # compiles outside
     graph = torch.cuda.CUDAGraph()

@@ -70,7 +70,7 @@ def todays_prefill(model: PagedLlama, token_ids: list[int], pool, page_ids: list
             pool.write(i, chunk_pages, offsets, k, v)
             if start > 0:
                 used = pages[: -(-end // PAGE_SIZE)]
-                k, v = (pool.shard(shard)[used].flatten(0, 1)[:end] for shard in (2 * i, 2 * i + 1))
+                k, v = (pool.kv[shard][used].flatten(0, 1)[:end] for shard in (2 * i, 2 * i + 1))
             out = attention.masked_attention(q, k, v, model.scale)
             x = model._mlp_block(layer, x + F.linear(out.reshape(end - start, -1), layer.o_proj))
     return model._logits(x[-1:])[0]

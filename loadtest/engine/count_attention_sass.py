@@ -35,8 +35,7 @@ from shared.kernels.split_merge_triton import _SPLITS_PER_LOAD, _merge_kernel
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "k_scale_ptr", "v_scale_ptr", "page_table_ptr", "seq_lens_ptr", "m_ptr",
             "l_ptr", "acc_ptr", "out_ptr", "counters_ptr")
 # Integer arguments the JIT sees divisible by 16 at the 8B shape (and so specialises on).
-DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stride_vp", "stride_vt", "stride_vh",
-             "stride_vd", "stride_sp", "stride_pt", "stride_ob",
+DIVISIBLE = ("stride_qb", "stride_qh", "stride_p", "stride_t", "stride_h", "stride_sp", "stride_pt", "stride_ob",
              "stride_oh", "num_heads")
 CASES = [("native", "bf16"), ("int8_query", "i8"), ("fp16", "fp8e4nv"), ("fp8_query", "fp8e4nv")]
 ELEMENT_BYTES = {"bf16": 2, "i8": 1, "fp8e4nv": 1}
@@ -89,15 +88,10 @@ def count(mode: str, kv_type: str, tiling: Tiling, workdir: Path) -> dict:
     types = {name: "i32" for name in kernel.arg_names}
     types.update({name: "*fp32" for name in POINTERS}, q_ptr="*bf16", k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}",
                  page_table_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16", counters_ptr="*i32", qk_scale="fp32",
-                 stride_p="i64", stride_vp="i64")
-    # The JIT takes a stride of 1 as a constant: V's head_dim, or its tokens in an int8 pool, which
-    # keeps V by dimension (shared/kv/pool.py).
-    unit_stride = "stride_vt" if kv_type == "i8" else "stride_vd"
-    constants = {unit_stride: 1, "GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128,
-                 "PAGE_SIZE": 16,
+                 stride_p="i64")
+    constants = {"GROUP": 4, "GROUP_PAD": 64 if mode == "fp8_query" else 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
                  "BLOCK_N": tiling.block_n, "MODE": MODES[mode], "DOT_PRECISION": "tf32",
-                 "SPLIT": True, "MERGE_HERE": True, "INLINE_PTX": tiling.convert_on_load, "V_LIKE_K": kv_type != "i8",
-                 "USE_PDL": True}
+                 "SPLIT": True, "MERGE_HERE": True, "INLINE_PTX": tiling.convert_on_load, "USE_PDL": True}
     sass, usage = compile_sass(kernel, types, constants, POINTERS + DIVISIBLE, tiling.num_warps, tiling.num_stages,
                                workdir / f"{mode}_{kv_type}_{tiling.block_n}x{tiling.num_warps}.cubin")
     tile_bytes = 2 * tiling.block_n * 128 * ELEMENT_BYTES[kv_type]

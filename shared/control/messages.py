@@ -53,9 +53,8 @@ class ErrorCode(StrEnum):
     INTERNAL = "INTERNAL"
 
 
-# Bumped on any change to the messages below, or to what they describe (8: int8 pools keep V by
-# dimension): the router refuses a worker of another version.
-PROTOCOL_VERSION = 8
+# Bumped on any change to the messages below: the router refuses a worker of another version.
+PROTOCOL_VERSION = 7
 
 # Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
 # the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
@@ -104,8 +103,7 @@ class StopParams:
 
 @dataclass(frozen=True)
 class KvLayout:
-    """Shape of a paged pool: per layer a K and a V shard of [pages, page_size, kv_heads, head_dim]
-    (an int8 pool's V pages [pages, kv_heads, head_dim, page_size] in memory: shared/kv/pool.py),
+    """Shape of a paged pool: per layer a K and a V shard of [pages, page_size, kv_heads, head_dim],
     interleaved K0 V0 K1 V1 ..., each shard starting shard_stride_bytes after the last (a
     multiple of 256, so every shard is 256-byte aligned). An MLA model's pool has one shard per
     layer (shards_per_layer 1): the latent and the RoPE key of each token, one "head" of

@@ -94,7 +94,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr,
         rows, stride_qkv, stride_cos, stride_sin, stride_qn, stride_qh,
         stride_kp, stride_kt, stride_kh,
-        stride_vp, stride_vt, stride_vh, stride_vd,
+        stride_vp, stride_vt, stride_vh,
         stride_sp, stride_st, stride_kon, stride_koh,
         num_heads, num_kv_heads,
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
@@ -134,7 +134,7 @@ if triton is not None:
         slot = tl.load(offset_ptr + n, mask=n_mask, other=0).to(tl.int64)
         k_at = k_ptr + (page * stride_kp + slot * stride_kt + kvh * stride_kh)[:, None] + d[None, :]
         v = tl.load(row + (num_heads + num_kv_heads + kvh) * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
-        v_at = v_ptr + (page * stride_vp + slot * stride_vt + kvh * stride_vh)[:, None] + (d * stride_vd)[None, :]
+        v_at = v_ptr + (page * stride_vp + slot * stride_vt + kvh * stride_vh)[:, None] + d[None, :]
         if QUANTIZED:
             # A q program's kvh is negative: its scale address is out of range, and masked.
             scale_at = page * stride_sp + slot * stride_st + kvh
@@ -264,8 +264,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
 
     qkv [N, (H + 2*KVH) * D] holds each row's q heads, then k heads, then v heads; cos/sin
     [max_positions, D] in qkv's dtype; positions [N] int64; k_cache/v_cache [num_pages, page_size,
-    KVH, D], k_cache with a contiguous last dim (other strides free: an int8 pool keeps V by
-    dimension, shared/kv/pool.py); pages/offsets [N] int32 or int64 name
+    KVH, D] with a contiguous last dim (other strides free); pages/offsets [N] int32 or int64 name
     each row's slot. Writes rotated k and plain v to k_cache[pages[n], offsets[n]] /
     v_cache[...] and returns rotated q as a new [N, H, D] tensor. One launch.
     int8 or float8_e4m3fn caches are written quantized, each (token, kv head) with its float32
@@ -283,10 +282,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         if table.shape[1] != head_dim or table.dtype != qkv.dtype:
             raise ValueError(f"{name} {tuple(table.shape)} {table.dtype} vs head_dim {head_dim} {qkv.dtype}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim):
-            raise ValueError(f"{name} {tuple(cache.shape)} is not [pages, page_size, {num_kv_heads}, {head_dim}]")
-    if k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache strides {k_cache.stride()}: its last dim must be contiguous")
+        if cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, head_dim) or cache.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(cache.shape)} strides {cache.stride()} is not "
+                             f"[pages, page_size, {num_kv_heads}, {head_dim}] with a contiguous last dim")
     for name, index in (("positions", positions), ("pages", pages), ("offsets", offsets)):
         if index.shape != (rows,) or index.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64 of shape ({rows},), got {tuple(index.shape)} {index.dtype}")
@@ -306,7 +304,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         k_out if k_out is not None else q,
         rows, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
         k_out.stride(0) if k_out is not None else 0, k_out.stride(1) if k_out is not None else 0,
         num_heads, num_kv_heads,

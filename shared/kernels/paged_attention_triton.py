@@ -36,15 +36,14 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
   column of probabilities, as the log2 of the scale added to the score before the online softmax's
   running maximum (_scaled_softmax_tile): the weights that go to fp16 are at most 1 whatever the
   scales' size, with no pass over the scales before the loop.
-- "int8_query" (int8 pages): both products on the integer tensor cores (IMMA), on the tiles as
-  stored, no value converted. q is written as two int8 terms with one scale per head, q ~ s * (hi +
-  lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), the scores hi * 127 +
-  lo exact in int32. The probabilities, at most 1 with the V scales in them as in "fp16", likewise:
-  w ~ (hi + lo / 127) / 127, within 2**-15. IMMA reads its second operand along the reduction, which
-  for P V is the tokens: an int8 pool keeps its V pages by dimension (shared/kv/pool.py), so that
-  the V tile is read as stored, as K is along head_dim (any V strides give the same numbers, more
-  slowly). 897 instructions per 128-token iteration against 1,229 with V converted to fp16, and
-  1,598 with K converted too (count_attention_sass).
+- "int8_query" (int8 pages): q is written as two int8 terms with one scale per head, q ~ s * (hi +
+  lo / 127), within 2**-15 of its largest value (fp16 keeps 11 bits of each), and the scores come
+  from integer tensor cores (IMMA) on the K tile as it is stored, hi * 127 + lo exact in int32: no
+  K value is converted, which leaves a fifth fewer instructions per byte (count_attention_sass).
+  V is converted to fp16 exactly (every int8 value is an fp16 value) by an integer add under an
+  fp16 exponent and one subtraction rather than the quarter-rate int-to-float instruction; the
+  scales stay outside the products as in "fp16". On an H100 the attention ran in 0.95x the time of
+  the fp16 conversion of both tiles, no less accurate (docs/BENCHMARKS.md).
 - "fp8_query" (float8_e4m3fn pages, a choice): q and the probabilities are quantized to e4m3 too and
   both products run on FP8 tensor cores. Triton (3.6 to 3.9) emits FP8 MMAs on Hopper only for its
   warpgroup instructions, which take 64 rows: the 4 query heads of a group are padded to 64.
@@ -92,9 +91,8 @@ if triton is not None:
 
     @triton.jit
     def _to_fp16(x, MODE: tl.constexpr, INLINE_PTX: tl.constexpr):
-        """Page values as the products take them: fp16 for "fp16" (exact for int8 and e4m3: the
-        latent kernel, shared/kernels/mla_decode_triton.py, passes its int8 pages in this mode), as
-        they are otherwise.
+        """Page values as the products take them: fp16 for "fp16" and "int8_query" (exact for int8
+        and e4m3), as they are otherwise.
 
         Compiled (INLINE_PTX), the conversion is an inline assembly marked impure, which Triton
         keeps where it stands: on the tile as loaded, 16 contiguous bytes a thread, whose fp16 copy
@@ -104,7 +102,7 @@ if triton is not None:
         (loadtest/engine/count_attention_sass.py). Yet it ran slower (Tiling.convert_on_load says
         why), so it is a choice. The interpreter runs no assembly: there the same numbers come
         from Triton's own operations."""
-        if MODE != 1:
+        if MODE != 1 and MODE != 3:
             y = x
         elif x.dtype == tl.int8:
             # 0x64XX is 1024.0 + XX (fp16's unit in the last place is 1 from 1024 to 2048): with
@@ -139,9 +137,9 @@ if triton is not None:
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, begin, hi, n, d,
-              row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_vp, stride_vt, stride_vd,
-              stride_sp, stride_st, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr, V_LIKE_K: tl.constexpr):
+              row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t, stride_sp, stride_st,
+              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, INLINE_PTX: tl.constexpr):
         """One BLOCK_N-token tile of the online softmax, from token `start`; MASKED only for a
         chunk's last, partial tile and a window's first (tokens before `begin` or at or past `hi`
         are left out)."""
@@ -152,12 +150,10 @@ if triton is not None:
         else:
             page_at = tok // PAGE_SIZE
             row_at += (tok % PAGE_SIZE) * stride_t
-            v_row_at += (tok % PAGE_SIZE) * stride_vt
             scale_row_at += (tok % PAGE_SIZE) * stride_st
         # int64: page * stride_p overflows int32 for pools above 2**31 elements.
         page = _load(table_row + page_at, tok_mask, MASKED).to(tl.int64)
         rows = page * stride_p + row_at
-        v_rows = rows if V_LIKE_K else page * stride_vp + v_row_at  # the same addresses: no second product
         scale_rows = page * stride_sp + scale_row_at
         k = _load(k_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
         # Scores in the log2 domain (scale folded with log2 e) so exp2 can be used.
@@ -180,28 +176,15 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load(v_ptr + v_rows[:, None] + (d * stride_vd)[None, :], tok_mask[:, None], MASKED)
+            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             v_scale = _load(v_scale_ptr + scale_rows, tok_mask, MASKED)
             weights, alpha, m_new, l_i = _scaled_softmax_tile(qk, v_scale, m_i, l_i)
             if MODE == 2:
                 weights *= _E4M3_MAX
-            if MODE == 3:
-                # The V tile read as [D, BLOCK_N], so that int8 pages whose tokens are contiguous
-                # (shared/kv/pool.py) reach the integer tensor cores as stored, as K does; the
-                # weights, at most 1, as two int8 terms: w ~ (high + low / 127) / 127, within
-                # 2**-15, the products exact in int32.
-                v_t = _load(v_ptr + v_rows[None, :] + (d * stride_vd)[:, None], tok_mask[None, :], MASKED)
-                scaled = weights * _INT8_MAX
-                high = scaled.to(tl.int32)  # truncation is the floor: scaled >= 0
-                low = ((scaled - high.to(tl.float32)) * _INT8_MAX + 0.5).to(tl.int32)
-                pv = tl.dot(high.to(tl.int8), tl.trans(v_t), out_dtype=tl.int32) * _INT8_MAX
-                pv = tl.dot(low.to(tl.int8), tl.trans(v_t), acc=pv, out_dtype=tl.int32).to(tl.float32)
-                pv *= 1.0 / (_INT8_MAX * _INT8_MAX)
-            else:
-                v = _load(v_ptr + v_rows[:, None] + (d * stride_vd)[None, :], tok_mask[:, None], MASKED)
-                pv = tl.dot(weights.to(tl.float8e4nv if MODE == 2 else tl.float16), _to_fp16(v, MODE, INLINE_PTX))
+            v = _load(v_ptr + rows[:, None] + d[None, :], tok_mask[:, None], MASKED)
+            pv = tl.dot(weights.to(tl.float8e4nv if MODE == 2 else tl.float16), _to_fp16(v, MODE, INLINE_PTX))
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @triton.jit
@@ -226,14 +209,12 @@ if triton is not None:
         qk_scale, num_splits, window,
         stride_qb, stride_qh,
         stride_p, stride_t, stride_h,
-        stride_vp, stride_vt, stride_vh, stride_vd,
         stride_sp, stride_st,
         stride_pt, stride_ob, stride_oh,
         num_heads, num_kv_heads,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, INLINE_PTX: tl.constexpr, V_LIKE_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, INLINE_PTX: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         b = tl.program_id(0)
@@ -252,11 +233,9 @@ if triton is not None:
                     mask=head_mask[:, None], other=0.0)
         table_row = page_table_ptr + b * stride_pt
         row_at = kvh * stride_h + 0 * n
-        v_row_at = kvh * stride_vh + 0 * n
         scale_row_at = kvh + 0 * n
         if BLOCK_N % PAGE_SIZE == 0:
             row_at += (n % PAGE_SIZE) * stride_t
-            v_row_at += (n % PAGE_SIZE) * stride_vt
             scale_row_at += (n % PAGE_SIZE) * stride_st
 
         q_descale = tl.full([GROUP_PAD], 1.0, tl.float32)
@@ -287,21 +266,21 @@ if triton is not None:
         first = lo
         if lo < begin:  # split 0 of a window that starts inside a tile: hi > begin, so a token is seen
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, lo, begin,
-                                  hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
-                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
+                                  INLINE_PTX)
             first = lo + BLOCK_N
         full_end = first + tl.maximum(hi - first, 0) // BLOCK_N * BLOCK_N
         for start in range(first, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, start, 0,
-                                  hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
-                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, False, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
+                                  hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, False, DOT_PRECISION,
+                                  INLINE_PTX)
         if full_end < hi:
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_low, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_row, full_end,
-                                  0, hi, n, d, row_at, v_row_at, scale_row_at, qk_scale, q_descale, stride_p,
-                                  stride_t, stride_vp, stride_vt, stride_vd, stride_sp, stride_st, PAGE_SIZE,
-                                  BLOCK_N, MODE, True, DOT_PRECISION, INLINE_PTX, V_LIKE_K)
+                                  0, hi, n, d, row_at, scale_row_at, qk_scale, q_descale, stride_p, stride_t,
+                                  stride_sp, stride_st, PAGE_SIZE, BLOCK_N, MODE, True, DOT_PRECISION,
+                                  INLINE_PTX)
         if MODE == 2:
             acc /= _E4M3_MAX
         finish_split(m_i, l_i, acc, m_ptr, l_ptr, acc_ptr, out_ptr + b * stride_ob + heads * stride_oh,
@@ -348,8 +327,9 @@ def _check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                   seq_lens: torch.Tensor) -> None:
     batch, num_heads, head_dim = q.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} and v_cache {tuple(v_cache.shape)} "
+                         f"{v_cache.stride()} differ")
     if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not match the kv cache {tuple(k_cache.shape)}")
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -357,7 +337,7 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if page_table.dim() != 2 or page_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
     if k_cache.stride(-1) != 1:
-        raise ValueError("k_cache needs a contiguous head_dim")
+        raise ValueError("k_cache and v_cache need a contiguous head_dim")
     if page_table.stride(1) != 1 or not seq_lens.is_contiguous():
         raise ValueError("page_table rows and seq_lens must be contiguous")
 
@@ -423,7 +403,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * _LOG2E, num_splits, window or _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         k_scale.stride(0) if k_scale is not None else 0, k_scale.stride(1) if k_scale is not None else 0,
         page_table.stride(0), out.stride(0), out.stride(1),
         num_heads, num_kv_heads,
@@ -431,8 +410,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=tiling.block_n, MODE=MODES[mode],
         # fp32 inputs would otherwise be rounded to tf32 by the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=num_splits > 1, MERGE_HERE=merge_here,
-        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, V_LIKE_K=v_cache.stride() == k_cache.stride(),
-        num_warps=tiling.num_warps,
+        INLINE_PTX=compiled(q.device) and tiling.convert_on_load, num_warps=tiling.num_warps,
         num_stages=tiling.num_stages, **pdl_options(q.device),
     )
     if num_splits > 1 and not merge_here:

@@ -14,13 +14,6 @@ and KV head, in scale shards after the page shards, in the same order (K0 V0 K1 
 [pages, page_size, kv_heads] and 256-byte aligned likewise: `scales[2 * layers, pages, page_size,
 kv_heads]` (one per token and layer for a latent). A page id names a page's values and its scales alike, so whatever moves or caches
 pages by id (the handoff, the prefix cache) carries both.
-
-An int8 pool keeps its V pages by dimension (values_by_dimension): a page's bytes are [kv_heads,
-head_dim, page_size], each head's values for one dimension of its tokens contiguous, so that the
-decode attention reads a V tile along the tokens as the integer tensor cores take it
-(shared/kernels/paged_attention_triton.py), as it reads K along head_dim. value(layer) shows such a
-shard as [pages, page_size, kv_heads, head_dim] all the same, by its strides; whatever moves whole
-pages moves its bytes unchanged.
 """
 
 from __future__ import annotations
@@ -40,12 +33,6 @@ def make_layout(num_layers: int, num_pages: int, page_size: int, num_kv_heads: i
     stride = _aligned(num_pages * page_size * num_kv_heads * head_dim * item)
     return KvLayout(num_layers, num_pages, page_size, num_kv_heads, head_dim, str(dtype).removeprefix("torch."), stride,
                     shards_per_layer)
-
-
-def values_by_dimension(kv_dtype: str, shards_per_layer: int = 2) -> bool:
-    """Whether a pool of this kv.dtype keeps its V pages as [kv_heads, head_dim, page_size] (the
-    module docstring): int8 K/V pools do; latent pools (one shard a layer) and the others do not."""
-    return kv_dtype == "int8" and shards_per_layer == 2
 
 
 def num_shards(layout: KvLayout) -> int:
@@ -117,15 +104,6 @@ class PagedKvPool:
             (layout.shard_stride_bytes // item, page, layout.num_kv_heads * layout.head_dim, layout.head_dim, 1),
         )
         self.kv_bits = kv_copy_triton.as_integers(self.kv)  # what the page copy moves
-        # The V shards alone, [layers, pages, page_size, kv_heads, head_dim], where they are kept by
-        # dimension: a page is [kv_heads, head_dim, page_size] in memory.
-        self.values: torch.Tensor | None = None
-        if values_by_dimension(layout.dtype, layout.shards_per_layer):
-            shard = layout.shard_stride_bytes // item
-            self.values = typed.as_strided(
-                (layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
-                (2 * shard, page, 1, layout.head_dim * layout.page_size, layout.page_size),
-                typed.storage_offset() + shard)
         self.scales: torch.Tensor | None = None
         self.scale_bits: torch.Tensor | None = None
         if kv_quant.is_quantized(dtype):
@@ -146,14 +124,7 @@ class PagedKvPool:
         return self.kv[2 * layer]
 
     def value(self, layer: int) -> torch.Tensor:
-        """[pages, page_size, kv_heads, head_dim], by dimension in memory where values_by_dimension."""
-        return self.shard(2 * layer + 1)
-
-    def shard(self, index: int) -> torch.Tensor:
-        """Page shard `index` (K0 V0 K1 V1 ..., or L0 L1 ...) as [pages, page_size, kv_heads, head_dim]."""
-        if self.values is not None and index % 2:
-            return self.values[index // 2]
-        return self.kv[index]
+        return self.kv[2 * layer + 1]
 
     def key_scale(self, layer: int) -> torch.Tensor | None:
         """[pages, page_size, kv_heads] float32, or None where the pages are not quantized."""
@@ -172,7 +143,7 @@ class PagedKvPool:
     def read_tokens(self, shard: int, pages: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
         """The first `count` tokens of the pages (in order) in one shard, dequantized where the pool
         is quantized, in dtype: a cached prefix as the prefill reads it back."""
-        values = self.shard(shard)[pages].flatten(0, 1)[:count]
+        values = self.kv[shard][pages].flatten(0, 1)[:count]
         if self.scales is None:
             return values.to(dtype)
         return kv_quant.dequantize(values, self.scales[shard][pages].flatten(0, 1)[:count], dtype)
@@ -195,11 +166,11 @@ class PagedKvPool:
             return
         for shard, x in ((2 * layer, k), (2 * layer + 1, v)):
             values, scales = kv_quant.quantize(x, self.kv.dtype)
-            self.shard(shard)[pages, offsets] = values
+            self.kv[shard][pages, offsets] = values
             self.scales[shard][pages, offsets] = scales
 
     def shards(self) -> list[torch.Tensor]:
-        return [self.shard(index) for index in range(num_shards(self.layout))]
+        return list(self.kv.unbind(0))
 
     def copy_pages_from(self, src: "PagedKvPool", src_pages: torch.Tensor, dst_pages: torch.Tensor,
                         heads: tuple[int, int, int] | None = None) -> None:
@@ -209,28 +180,16 @@ class PagedKvPool:
         [shards, pages, ...] view, which copies element by element (of bits: PyTorch's CPU
         index_copy_ has no float8). heads: (src's first, ours first, count): only those KV heads
         of each page, as between tensor-parallel ranks of different sizes (_copy_heads)."""
-        if heads is not None:
-            for dst_bits, src_bits in zip(self.head_views(), src.head_views()):
-                _copy_heads(src_bits, dst_bits, src_pages, dst_pages, heads)
-            return
         for dst_bits, src_bits in ((self.kv_bits, src.kv_bits), (self.scale_bits, src.scale_bits)):
             if dst_bits is None:
                 continue
-            if self.kv.is_cuda:
+            if heads is not None:
+                _copy_heads(src_bits, dst_bits, src_pages, dst_pages, heads)
+            elif self.kv.is_cuda:
                 kv_copy_triton.copy_pages(src_bits, dst_bits, src_pages, dst_pages)
             else:
                 for to, source in zip(dst_bits.flatten(2), src_bits.flatten(2)):
                     to.index_copy_(0, dst_pages, source.index_select(0, src_pages))
-
-    def head_views(self) -> list[torch.Tensor]:
-        """The pool's bits as [shards, pages, page_size, kv_heads(, head_dim)] views whose dim 3 is
-        the KV head: all page shards, or the K and the V shards apart where V is kept by dimension,
-        then the scales."""
-        if self.values is None:
-            views = [self.kv_bits]
-        else:
-            views = [self.kv_bits[0::2], kv_copy_triton.as_integers(self.values)]
-        return views + ([self.scale_bits] if self.scale_bits is not None else [])
 
 
 def _copy_heads(src_bits: torch.Tensor, dst_bits: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,

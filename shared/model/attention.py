@@ -107,7 +107,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_scale is not None:
         k, v = kv_quant.dequantize(k, k_scale[page_table], q.dtype), kv_quant.dequantize(v, v_scale[page_table], q.dtype)
     k = k.view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    v = v.reshape(batch, length, kv_heads, head_dim).transpose(1, 2)  # an int8 pool's V is by dimension
+    v = v.view(batch, length, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(length, device=q.device)[None, :]
     valid = positions < seq_lens[:, None]
     if window > 0:

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import numpy as np
 
-from shared.kv.pool import PagedKvPool, layout_bytes, num_shards, shard_regions, values_by_dimension
+from shared.kv.pool import PagedKvPool, layout_bytes, shard_regions
 from shared.kv.transfer.base import TransferError
 from shared.kv.transfer.nixl_network import use_net_devices
 
@@ -88,18 +88,15 @@ def head_regions(pool_memory: tuple[int, int, str, int], layout, pages: np.ndarr
     """Heads first .. first + count - 1 of these pages, as NIXL descriptor rows: one per shard (scale
     shards included), page and token, in that order, each the token's run of those heads. A page
     holds its tokens' heads side by side ([page_size, kv_heads, ...]), so some heads of a page are
-    page_size runs, not one region: two pools of other head counts pair row for row. V pages kept
-    by dimension ([kv_heads, head_dim, page_size]) hold a head's values together: one row a page."""
+    page_size runs, not one region: two pools of other head counts pair row for row."""
     address, _, _, device_id = pool_memory
+    tokens = np.arange(layout.page_size, dtype=np.uint64)
     pages = pages.astype(np.uint64)
-    by_dimension = values_by_dimension(layout.dtype, layout.shards_per_layer)
     rows = []
-    for index, (offset, page_bytes) in enumerate(shard_regions(layout)):
-        runs = 1 if by_dimension and index < num_shards(layout) and index % 2 else layout.page_size
-        run_bytes = page_bytes // runs
-        head_bytes = run_bytes // layout.num_kv_heads
-        run_starts = np.arange(runs, dtype=np.uint64) * run_bytes
-        starts = address + offset + pages[:, None] * page_bytes + run_starts[None, :] + first * head_bytes
+    for offset, page_bytes in shard_regions(layout):
+        token_bytes = page_bytes // layout.page_size
+        head_bytes = token_bytes // layout.num_kv_heads
+        starts = address + offset + pages[:, None] * page_bytes + tokens[None, :] * token_bytes + first * head_bytes
         shard = np.empty((starts.size, 3), dtype=np.uint64)
         shard[:, 0] = starts.ravel()
         shard[:, 1] = count * head_bytes
