@@ -9,8 +9,8 @@ accumulates in fp32. Two inner products, one per kind of config:
                     elementwise and are summed over K once, after the loop (M = 1 only)
     BLOCK_M >= 16   tl.dot on the tensor cores, the weight's BLOCK_N rows as the MMA's M side (64
                     rows make one Hopper warpgroup MMA) and x padded to BLOCK_M rows: 16 for
-                    M <= 16, 32 and 64 for the wider batches, where cuBLAS's kernels read the
-                    weight at 0.64-0.84 of the copy rate on the H200 (docs/BENCHMARKS.md)
+                    M <= 16, 32 and 64 for the wider batches (at 32 rows on an H100 they read four
+                    of the 8B's five weights faster than cuBLAS: docs/BENCHMARKS.md)
 
 Split-K: where N / BLOCK_N programs would leave SMs idle (o_proj and down_proj of Llama-8B have
 N = 4096 on 132 SMs), the grid's second axis cuts K into SPLIT_K ranges; each writes fp32 partial
