@@ -4,10 +4,11 @@
 
 What chose shared/kernels/gemv_triton.CONFIGS: each config of a grid, one row (multiply-add) or a
 batch (tensor cores, in the narrowest block of 16, 32 or 64 rows that holds it), reads each
-Llama-3.1-8B weight shape, timed as the decode's LinearChooser times its candidates (back to back in a CUDA graph, weights rotated past L2). In the same run:
-cuBLAS on the same shape in bf16 (the baseline), and the floor, the weight's bytes over the device's
-copy bandwidth (bytes read + written per second of a 4 GiB device-to-device copy). --weights fp8
-sweeps float8_e4m3 weights with their per-channel scales (model.quantization = "fp8", bf16 x).
+Llama-3.1-8B weight shape, timed as the decode's LinearChooser times its candidates (back to back
+in a CUDA graph, weights rotated past L2). In the same run: cuBLAS on the same shape in bf16 (the
+baseline), and the floor, the weight's bytes over the device's copy bandwidth (bytes read +
+written per second of a 4 GiB device-to-device copy). --weights fp8 sweeps float8_e4m3 weights
+with their per-channel scales (model.quantization = "fp8", bf16 x).
 """
 
 from __future__ import annotations
