@@ -23,7 +23,10 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
   (shared/kernels/flashinfer_prefill.py), where FlashInfer is installed and the GPU is a Hopper;
 - flashinfer_fp8: the same kernel in FP8, q, k and v quantized per head in the call;
   flashinfer_fp8_kernel: the FP8 kernel alone, on inputs quantized before the timing (as a prefill
-  that kept its K/V staged in FP8 would call it);
+  that kept its K/V staged in FP8 would call it); flashinfer_fp8_fp16_out: with an fp16 output,
+  and flashinfer_fp8_ungrouped: that with each KV head repeated for its query heads, the two
+  things FlashInfer's own tests of the kernel do that flashinfer_fp8 does not (its bf16 output
+  was wrong by as much as the output: docs/BENCHMARKS.md);
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
@@ -130,6 +133,18 @@ def fp8_attention(q, k, v, scale):
     return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, q.dtype)
 
 
+def fp8_attention_fp16_out(q, k, v, scale):
+    """flashinfer_fp8 with the kernel's output in fp16, then in q's dtype."""
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_per_head(x) for x in (q, k, v))
+    return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, torch.float16).to(q.dtype)
+
+
+def fp8_attention_ungrouped(q, k, v, scale):
+    """fp8_attention_fp16_out over as many KV heads as query heads, each KV head repeated for its group."""
+    group = q.shape[1] // k.shape[1]
+    return fp8_attention_fp16_out(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale)
+
+
 @functools.lru_cache(maxsize=1)
 def quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """The last case's inputs in FP8 with their per-head scales (tensors hash by identity)."""
@@ -158,6 +173,8 @@ FLASHINFER_WAYS = {
     "flashinfer": flashinfer_prefill.attention,
     "flashinfer_fp8": fp8_attention,
     "flashinfer_fp8_kernel": fp8_kernel_alone,
+    "flashinfer_fp8_fp16_out": fp8_attention_fp16_out,
+    "flashinfer_fp8_ungrouped": fp8_attention_ungrouped,
 }
 
 
