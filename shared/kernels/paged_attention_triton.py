@@ -52,6 +52,7 @@ kv head, as shared/kernels/kv_quant.py writes them) cost as few instructions per
 from __future__ import annotations
 
 import functools
+
 import torch
 
 from shared.kernels.decode_tiling import Tiling, default_tiling
