@@ -15,7 +15,15 @@ from shared.kv.pool import allocate_local_pool
 from shared.model.fingerprint import differences, model_fingerprint
 from shared.model.fp8_weights import UnsupportedQuantization, is_fp8_checkpoint
 from shared.model.llama import load_paged_llama
-from shared.model.quantization import FP8, FP8_MAX, WEIGHT_ONLY_ROWS, fp8_linear, quantize_per_token, quantize_weight
+from shared.model.quantization import (
+    FP8,
+    FP8_MAX,
+    WEIGHT_ONLY_ROWS,
+    Fp8Rows,
+    fp8_linear,
+    quantize_per_token,
+    quantize_weight,
+)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,6 +56,22 @@ def test_the_product_equals_its_float_reference(rows):
         x_ref = x.double()
     expected = x_ref @ dequantized.T + bias.double()
     torch.testing.assert_close(fp8_linear(x, quantized, scale, bias).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_quantized_by_the_kernel_before_give_the_same_product():
+    """Fp8Rows (what the GPU prefill's norms and SiLU write) take the path fp8_linear takes after
+    quantizing the rows itself, whatever their count, and come back in their model's dtype."""
+    torch.manual_seed(0)
+    quantized, scale = quantize_weight(torch.randn(96, 128))
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    for rows in (WEIGHT_ONLY_ROWS + 1, 40):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        given = fp8_linear(Fp8Rows(*quantize_per_token(x), torch.bfloat16), quantized, scale, bias)
+        assert given.dtype == torch.bfloat16 and torch.equal(given, fp8_linear(x, quantized, scale, bias))
+    x = torch.randn(2, 128, dtype=torch.bfloat16)  # rows the product would not quantize: quantized all the same
+    expected = (F.linear(quantize_per_token(x)[0].float(), quantized.float()) * quantize_per_token(x)[1] * scale)
+    torch.testing.assert_close(fp8_linear(Fp8Rows(*quantize_per_token(x), torch.bfloat16), quantized, scale),
+                               expected.bfloat16(), rtol=0, atol=0)
 
 
 def test_bfloat16_activations_come_back_in_bfloat16():
@@ -195,3 +219,28 @@ def test_the_gpus_products_equal_the_cpus(rows):
         expected = fp8_linear(x.float(), quantized, scale)
     got = LinearChooser().apply(x.cuda(), quantized.cuda(), scale=scale.cuda())
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().mean()))
+
+
+@pytest.mark.gpu
+def test_the_gpu_prefills_norms_and_silu_quantize_as_the_products_would(tmp_path, monkeypatch):
+    """The GPU prefill with FP8 weights, in chunks past WEIGHT_ONLY_ROWS rows: its norms and SiLU
+    writing their output in FP8 (PagedLlama.fp8_rows_fused) give the logits and pages that
+    quantizing it in a kernel of its own gives, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from shared.kernels import fused_triton
+
+    model = load_paged_llama(_tiny_checkpoint(tmp_path / "bf16"), "bfloat16", "cuda", "fp8")
+    calls = {"rms_norm_fp8": 0, "add_rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
+    for name in calls:
+        def counted(*args, _kernel=getattr(fused_triton, name), _name=name):
+            calls[_name] += 1
+            return _kernel(*args)
+        monkeypatch.setattr(fused_triton, name, counted)
+    runs = {}
+    for fused in (True, False):
+        model.fp8_rows_fused = fused
+        pool = allocate_local_pool(model.kv_layout(8, 16), "cuda")[0]
+        runs[fused] = model.prefill(list(range(3, 100)), pool, list(range(7)), chunk_tokens=40), pool.kv.clone()
+    assert calls == {"rms_norm_fp8": 6, "add_rms_norm_fp8": 6, "silu_and_mul_fp8": 6}  # 2 layers x 3 chunks
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])

@@ -19,15 +19,19 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from shared.kernels import fused_triton, kv_quant
+from shared.kernels.fp8_quant_triton import FP8, quantize_rows
 from tests.triton_cast import cast_like_a_triton_store
 from shared.model.elementwise import apply_rope
 from shared.kernels.fused_triton import (
     add_rms_norm,
+    add_rms_norm_fp8,
     rms_norm,
+    rms_norm_fp8,
     rope_in_place,
     rope_rows_per_program,
     rope_write_kv,
     silu_and_mul,
+    silu_and_mul_fp8,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -283,6 +287,53 @@ def test_silu_and_mul(rows, inter):
     torch.testing.assert_close(out, ref_silu_and_mul(gate_up), **FP32_TOL)
 
 
+def assert_quantized_alike(fused, unfused, reference):
+    """A kernel's FP8 output (values, scale) equal to quantize_rows of its unquantized twin's output,
+    and within a step of e4m3 of the float reference quantized with that scale (cast as a Triton
+    store casts, see tests/triton_cast.py)."""
+    (values, scale), (want_values, want_scale) = fused, unfused
+    assert values.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (len(values), 1)
+    assert torch.equal(scale, want_scale) and torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    # rtol: bf16's rounding of the row's largest value, which the kernel and the reference may round apart
+    torch.testing.assert_close(scale, reference.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12 * 448) / 448,
+                               rtol=2 ** -7, atol=0)
+    got = values.float().cpu()
+    want = cast_like_a_triton_store((reference.float() / scale).clamp(-448, 448), FP8).float().cpu()
+    assert ((got - want).abs() <= want.abs() * 2 ** -3 + 2 ** -9).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_norms_quantized_as_their_output_would_be(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(DEVICE)
+    residual = (torch.randn(rows, hidden, generator=gen) * 4).to(DEVICE)
+    x[0, :8] *= 100  # one row with a few large values: a scale that most of it is small against
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE)
+    assert_quantized_alike(rms_norm_fp8(x, weight, EPS), quantize_rows(rms_norm(x, weight, EPS)),
+                           ref_rms_norm(x, weight, EPS))
+    quantized, summed = add_rms_norm_fp8(x, residual, weight, EPS)
+    normed, want_summed = add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, want_summed)
+    assert_quantized_alike(quantized, quantize_rows(normed), ref_rms_norm(x + residual, weight, EPS))
+
+
+@pytest.mark.parametrize("inter", [64, 4500])  # 4500: three blocks of the row, the last partial
+def test_silu_and_mul_quantized_as_its_output_would_be(inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(3, 2 * inter, generator=gen) * 3).to(DEVICE)
+    gate_up[1] = 0  # a row of zeros: the least scale, zeros, no NaN
+    quantized = silu_and_mul_fp8(gate_up)
+    assert_quantized_alike(quantized, quantize_rows(silu_and_mul(gate_up)), ref_silu_and_mul(gate_up))
+    assert (quantized[0][1].float() == 0).all()
+
+
+def test_a_quantized_norm_needs_its_weight_in_the_activations_dtype():
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight in x's dtype"):
+        rms_norm_fp8(x, torch.ones(64, device=DEVICE, dtype=torch.float16), EPS)
+
+
 def test_bad_shapes_raise():
     x = torch.randn(3, 64, device=DEVICE)
     with pytest.raises(ValueError):
@@ -354,6 +405,26 @@ def test_rope_write_kv_quantized_bf16_cuda(kv_dtype, rows):
 def test_silu_and_mul_bf16_cuda(rows):
     gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
     torch.testing.assert_close(silu_and_mul(gate_up), ref_silu_and_mul(gate_up), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [17, 8192])
+def test_quantized_norms_and_silu_bf16_cuda(rows):
+    """At the 8B's sizes (a 70B's intermediate too), compiled: bit for bit quantize_rows of the unfused output."""
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) * 4
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    assert_quantized_alike(rms_norm_fp8(x, weight, EPS), quantize_rows(rms_norm(x, weight, EPS)),
+                           ref_rms_norm(x, weight, EPS))
+    quantized, summed = add_rms_norm_fp8(x, residual, weight, EPS)
+    normed, want_summed = add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(summed, want_summed)
+    assert_quantized_alike(quantized, quantize_rows(normed), ref_rms_norm(want_summed, weight, EPS))
+    for inter in (14336, 28672):
+        gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
+        assert_quantized_alike(silu_and_mul_fp8(gate_up), quantize_rows(silu_and_mul(gate_up)),
+                               ref_silu_and_mul(gate_up))
 
 
 @pytest.mark.gpu

@@ -12,7 +12,9 @@ runs as the workers run it:
   at the copy bandwidth;
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
-  attention's at the bf16 rate;
+  attention's at the bf16 rate; with FP8 weights again with the activations quantized by a kernel
+  of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU wrote them in FP8),
+  and whether the two ways' logits are equal;
 - each matmul of a layer and the lm_head alone at --linear-rows rows, as the decode step runs it
   (PagedLlama.linears, timed as shared/model/linear_choice.py times: graphed, the weight cold in
   L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
@@ -67,11 +69,26 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
 def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops: float) -> dict:
     pool, _ = allocate_local_pool(model.kv_layout(pages_for(tokens, PAGE_SIZE), PAGE_SIZE), "cuda")
     ids = torch.randint(0, model.vocab_size, (tokens,)).tolist()
-    prompt_ms = quantile(cuda_time_ms(lambda: model.prefill(ids, pool, list(range(pages_for(tokens, PAGE_SIZE)))),
-                                      3, 1), 0.5)
+    logits = {}
+
+    def prompt_ms(way: str) -> float:
+        def run():
+            logits[way] = model.prefill(ids, pool, list(range(pages_for(tokens, PAGE_SIZE))))
+        return quantile(cuda_time_ms(run, 3, 1), 0.5)
+
+    ms = prompt_ms("fused")
     bound = prefill_bound_s(model, tokens, bf16_tflops, fp8_tflops)
-    return {"tokens": tokens, "ms_p50": prompt_ms, "bound_ms": bound["bound_s"] * 1e3,
-            "ratio_to_bound": prompt_ms / (bound["bound_s"] * 1e3), **bound}
+    result = {"tokens": tokens, "ms_p50": ms, "bound_ms": bound["bound_s"] * 1e3,
+              "ratio_to_bound": ms / (bound["bound_s"] * 1e3), **bound}
+    if model.layers[0].qkv_scale is not None:
+        model.fp8_rows_fused = False
+        try:
+            apart_ms = prompt_ms("apart")
+        finally:
+            model.fp8_rows_fused = True
+        result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": ms / apart_ms,
+                   "logits_equal_to_apart": bool(torch.equal(logits["fused"], logits["apart"]))}
+    return result
 
 
 def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> list[dict]:

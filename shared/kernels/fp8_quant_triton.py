@@ -17,6 +17,19 @@ MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaNs
 
 if triton is not None:
 
+    # The two steps of a row's quantization, for every kernel that writes FP8 rows (also the GPU
+    # prefill's norms and SiLU, shared/kernels/fused_triton.py): one formula, so the rows they
+    # write are those quantize_rows would write from their unquantized output.
+    @triton.jit
+    def row_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+        """A row's scale from its largest magnitude (fp32)."""
+        return tl.maximum(amax / FP8_MAX, MIN_SCALE)
+
+    @triton.jit
+    def in_fp8_range(x, scale, FP8_MAX: tl.constexpr):
+        """x (fp32) over its row's scale, clamped to e4m3's range: what the store casts to FP8."""
+        return tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+
     @triton.jit
     def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, FP8_MAX: tl.constexpr,
                               MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -24,9 +37,9 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-        quantized = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(out_ptr + row * stride_out + cols, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), FP8_MAX, MIN_SCALE)
+        tl.store(out_ptr + row * stride_out + cols, in_fp8_range(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
+                 mask=mask)
         tl.store(scale_ptr + row, scale)
 
 

@@ -11,6 +11,10 @@ replaces one such chain with one launch:
                                      (quantized pages: with the quantization and the scales' write)
     silu_and_mul(gate_up)            chunk, SiLU, multiply                  (~3 kernels -> 1)
 
+The norms and SiLU also come in an _fp8 form for a product with FP8 weights (the GPU prefill's):
+the output quantized per token in the same kernel, as fp8_quant_triton.quantize_rows would quantize
+it, so the activations are not written in the model's dtype and read back to be quantized.
+
 Numerics follow the PyTorch expressions they replace (transformers' LlamaModel): the math runs in
 fp32 and is rounded to the activation dtype at the same points where PyTorch rounds (after the
 normalisation and before the weight, after each RoPE product, after SiLU), so in bf16 the fused
@@ -25,10 +29,14 @@ from __future__ import annotations
 import torch
 
 from shared.kernels import kv_quant
+from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, in_fp8_range, row_scale
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
-# Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs.
+# Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs. silu_and_mul_fp8
+# takes a row per program, in blocks of this many columns, twice: for its scale, then to write it
+# (the second pass finds the row in the caches, 16 warps keeping few rows in flight).
 _SILU_BLOCK = 1024
+_SILU_FP8_BLOCK, _SILU_FP8_WARPS = 4096, 16
 # RMSNorm holds a whole row in registers: one warp per 256 columns, 4 to 16 warps.
 _NORM_COLS_PER_WARP = 256
 # rope_write_kv's rows per program from this many rows on: a prefill chunk's one-row programs (a
@@ -41,10 +49,11 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+        x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, scale_ptr,
         eps, hidden,
         stride_x, stride_res, stride_out, stride_sum,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
+        FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_previous_kernel(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -61,7 +70,14 @@ if triton is not None:
         # LlamaRMSNorm casts back to the input dtype before the weight multiply.
         normed = (h * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANTIZE:  # from the output rounded to the model's dtype, as quantize_rows reads it
+            y = (normed * w).to(x.dtype).to(tl.float32)
+            scale = row_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
+            tl.store(out_ptr + row * stride_out + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(scale_ptr + row, scale)
+        else:
+            tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _store_quantized(values_ptr, scale_ptr, x, mask, scale_mask, QMAX: tl.constexpr, ROUND: tl.constexpr):
@@ -166,6 +182,16 @@ if triton is not None:
         tl.store(head + d, _rotated(x, x_pair, cos, sin, d < half), mask=mask)
 
     @triton.jit
+    def _silu_times_up(row_ptr, cols, mask, inter):
+        """F.silu(gate) * up over one block of a gate_up row, in its dtype: SiLU rounded to it before
+        the multiply, as F.silu returns it."""
+        gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
+        up = tl.load(row_ptr + inter + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        return (silu * up.to(tl.float32)).to(gate.dtype)
+
+    @triton.jit
     def _silu_and_mul_kernel(
         gate_up_ptr, out_ptr, inter, stride_in, stride_out,
         BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -174,12 +200,28 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
-        up = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        # F.silu rounds to the dtype before the multiply by up.
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+        tl.store(out_ptr + row * stride_out + cols, _silu_times_up(gate_up_ptr + row * stride_in, cols, mask, inter),
+                 mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_fp8_kernel(
+        gate_up_ptr, out_ptr, scale_ptr, inter, stride_in, stride_out,
+        BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        wait_for_previous_kernel(USE_PDL)
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = gate_up_ptr + row * stride_in
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, inter, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)))
+        scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
+        for start in range(0, inter, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)
+            tl.store(out_ptr + row * stride_out + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
+                     mask=cols < inter)
+        tl.store(scale_ptr + row, scale)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -188,12 +230,17 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
                          f"strides {t.stride()}")
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool = False):
+    """(normed, summed, scale): scale None unless quantize, summed normed's tensor without a residual."""
     _check_rows("x", x)
     rows, hidden = x.shape
     if weight.shape != (hidden,) or weight.stride(0) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden}")
-    out = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if quantize and weight.dtype != x.dtype:  # quantized from the output rounded to x's dtype
+        raise ValueError(f"an FP8 output needs weight in x's dtype {x.dtype}, got {weight.dtype}")
+    out_dtype = FP8 if quantize else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else None
     summed = out
     if residual is not None:
         _check_rows("residual", residual)
@@ -201,16 +248,16 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} vs x {tuple(x.shape)} {x.dtype}")
         summed = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
-        return out, summed
+        return out, summed, scale
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, summed,
+        x, residual if residual is not None else x, weight, out, summed, scale if quantize else out,
         eps, hidden,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=min(16, max(4, block // _NORM_COLS_PER_WARP)), **pdl_options(x.device),
     )
-    return out, summed
+    return out, summed, scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -220,12 +267,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm(x, None, weight, eps)[0]
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(rms_norm(x, weight, eps)) in one kernel: (float8_e4m3 [N, H], float32 scale [N, 1])."""
+    require_triton("rms_norm_fp8")
+    normed, _, scale = _norm(x, None, weight, eps, quantize=True)
+    return normed, scale
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """summed = x + residual (rounded to x's dtype), normed = rms_norm(summed, weight, eps), in one
     kernel; returns (normed, summed), both new [N, H] tensors."""
     require_triton("add_rms_norm")
-    return _norm(x, residual, weight, eps)
+    return _norm(x, residual, weight, eps)[:2]
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """add_rms_norm with normed quantized per token as rms_norm_fp8 quantizes it:
+    ((float8_e4m3 [N, H], float32 scale [N, 1]), summed)."""
+    require_triton("add_rms_norm_fp8")
+    normed, summed, scale = _norm(x, residual, weight, eps, quantize=True)
+    return (normed, scale), summed
 
 
 def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -334,14 +397,18 @@ def _check_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
         raise ValueError("k_scale and v_scale need the same strides")
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [N, 2*I] (gate columns first) -> F.silu(gate) * up [N, I] in gate_up's dtype."""
-    require_triton("silu_and_mul")
+def _gate_up_rows(gate_up: torch.Tensor) -> tuple[int, int]:
     _check_rows("gate_up", gate_up)
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up width {width} is odd")
-    inter = width // 2
+    return rows, width // 2
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2*I] (gate columns first) -> F.silu(gate) * up [N, I] in gate_up's dtype."""
+    require_triton("silu_and_mul")
+    rows, inter = _gate_up_rows(gate_up)
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows == 0:
         return out
@@ -350,3 +417,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         BLOCK=_SILU_BLOCK, num_warps=4, **pdl_options(gate_up.device),
     )
     return out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu_and_mul(gate_up)) in one kernel: (float8_e4m3 [N, I], float32 scale [N, 1])."""
+    require_triton("silu_and_mul_fp8")
+    rows, inter = _gate_up_rows(gate_up)
+    out = torch.empty((rows, inter), dtype=FP8, device=gate_up.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _silu_and_mul_fp8_kernel[(rows,)](
+            gate_up, out, scale, inter, gate_up.stride(0), out.stride(0),
+            BLOCK=_SILU_FP8_BLOCK, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=_SILU_FP8_WARPS,
+            **pdl_options(gate_up.device),
+        )
+    return out, scale

@@ -32,14 +32,14 @@ from shared.model.layer_kernels import PYTORCH, Kernels
 from shared.model.linear_choice import LinearChooser
 from shared.model.mla import Mla, MlaShape, decode_attention, is_mla
 from shared.model.moe import MOE_MODEL_TYPES, Routing, moe_forward
-from shared.model.quantization import fp8_linear
+from shared.model.quantization import WEIGHT_ONLY_ROWS, Fp8Rows, fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable, shard_weights
 from shared.model.weights import LayerWeights, LlamaWeights
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or its FP8 form where the weight has a scale."""
+    """F.linear, or its FP8 form where the weight has a scale (x quantized already, or not)."""
     return F.linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
 
 
@@ -80,6 +80,9 @@ class PagedLlama:
         # There, the residual adds inside the matmuls where they can be (_output_and_mlp_fused);
         # benchmarks compare it with the adds apart.
         self.adds_in_matmuls = True
+        # With FP8 weights, the norms and SiLU before a product quantize their output in the same
+        # kernel (_quantized_for); benchmarks compare it with the quantization apart.
+        self.fp8_rows_fused = True
 
     @classmethod
     def from_hf(cls, hf_model, device: torch.device | str) -> "PagedLlama":
@@ -241,7 +244,8 @@ class PagedLlama:
         gate product in one Triton kernel. On one rank with unquantized weights both adds happen in
         the matmuls (addmm_: the BLAS adds x as it writes the product, the sum rounded once), so no
         kernel reads and writes the residual stream just to add; otherwise the first add goes with
-        the norm (add_rms_norm) and the second is its own kernel."""
+        the norm (add_rms_norm) and the second is its own kernel. With FP8 weights the norm and SiLU
+        write their output quantized for the product that reads it (_quantized_for)."""
         in_matmul = (self.adds_in_matmuls and self.tp.size == 1 and layer.o_proj_scale is None
                      and layer.o_proj_bias is None)
         if in_matmul:
@@ -249,12 +253,20 @@ class PagedLlama:
             hidden, residual = fused_triton.rms_norm(x, layer.post_norm, self.eps), x
         else:
             attn = self.tp.all_reduce(linear(out, layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
-            hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
+            if self._quantized_for(layer.gate_up_scale, len(x)):
+                (values, scale), residual = fused_triton.add_rms_norm_fp8(attn, x, layer.post_norm, self.eps)
+                hidden = Fp8Rows(values, scale, x.dtype)
+            else:
+                hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
         if layer.moe is not None:
             torch.add(residual, self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused())),
                       out=x)
             return
-        act = fused_triton.silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_scale))
+        gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
+        if self._quantized_for(layer.down_scale, len(x)):
+            act = Fp8Rows(*fused_triton.silu_and_mul_fp8(gate_up), x.dtype)
+        else:
+            act = fused_triton.silu_and_mul(gate_up)
         if in_matmul:
             x.addmm_(act, layer.down.t())
         else:
@@ -264,7 +276,11 @@ class PagedLlama:
                    index: int, pages: torch.Tensor, offsets: torch.Tensor, k_out: torch.Tensor):
         """A chunk's q and v as _qkv computes them, its rotated k written to k_out; K and V go to the
         pages (quantized where they are) in the same Triton kernel as the RoPE, as the decode writes them."""
-        qkv = linear(fused_triton.rms_norm(x, layer.input_norm, self.eps), layer.qkv, layer.qkv_scale, layer.qkv_bias)
+        if self._quantized_for(layer.qkv_scale, len(x)):
+            normed = Fp8Rows(*fused_triton.rms_norm_fp8(x, layer.input_norm, self.eps), x.dtype)
+        else:
+            normed = fused_triton.rms_norm(x, layer.input_norm, self.eps)
+        qkv = linear(normed, layer.qkv, layer.qkv_scale, layer.qkv_bias)
         if layer.q_norm is not None:
             self._norm_heads_in_place(layer, qkv)
         q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index),
@@ -272,6 +288,11 @@ class PagedLlama:
                                        pool.key_scale(index), pool.value_scale(index), k_out)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(len(x), self.num_kv_heads, self.head_dim)
         return q, v
+
+    def _quantized_for(self, weight_scale: torch.Tensor | None, rows: int) -> bool:
+        """Whether the GPU prefill's kernel before a product writes its output in FP8 for it: an FP8
+        weight, and more rows than the weight-only products take (fp8_linear would quantize them)."""
+        return self.fp8_rows_fused and weight_scale is not None and rows > WEIGHT_ONLY_ROWS
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,

@@ -8,17 +8,28 @@ A product takes one of two forms, by the rows of its input:
       reads half the bytes (the Triton GEMV on a GPU);
   more rows (a prompt's chunk, a large batch, bound by the matmuls): the activations are quantized
       per token as they come (a dynamic scale each, the row's absolute maximum over 448), and both
-      operands go through the FP8 tensor cores (torch._scaled_mm), accumulating in fp32.
+      operands go through the FP8 tensor cores (torch._scaled_mm), accumulating in fp32. The GPU
+      prefill's norms and SiLU quantize their output for it in the same kernel (Fp8Rows).
 The CPU computes the same numbers in plain PyTorch: the operands dequantized, the products in fp32.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, quantize_rows
 from shared.kernels.gemv_triton import WEIGHT_ONLY_ROWS
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized per token by the kernel that made them (shared/kernels/fused_triton.py's
+    _fp8 forms), as fp8_linear would quantize them: a product takes them as they are."""
+    values: torch.Tensor  # float8_e4m3 [M, K]
+    scale: torch.Tensor   # float32 [M, 1]
+    dtype: torch.dtype    # the model's: the product's
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,20 +48,25 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for an FP8 weight [N, K] with its per-channel scale [N]; x [M, K] in the model's
-    dtype, the result too."""
-    if x.shape[0] <= WEIGHT_ONLY_ROWS:
+    dtype, or already quantized, the result in the model's dtype."""
+    if isinstance(x, Fp8Rows):
+        out = quantized_product(x, weight, scale)
+    elif x.shape[0] <= WEIGHT_ONLY_ROWS:
         out = weight_only_linear(x, weight, scale)
-    elif x.is_cuda:
-        x_fp8, x_scale = quantize_per_token(x)
-        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale[None, :],  # noqa: SLF001
-                               out_dtype=x.dtype)
     else:
-        x_fp8, x_scale = quantize_per_token(x)
-        out = (F.linear(x_fp8.float(), weight.float()) * x_scale * scale).to(x.dtype)
+        out = quantized_product(Fp8Rows(*quantize_per_token(x), x.dtype), weight, scale)
     return out if bias is None else out + bias
+
+
+def quantized_product(x: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Both operands in FP8: on the GPU's FP8 tensor cores, on the CPU dequantized in fp32."""
+    if x.values.is_cuda:
+        return torch._scaled_mm(x.values, weight.t(), scale_a=x.scale, scale_b=scale[None, :],  # noqa: SLF001
+                                out_dtype=x.dtype)
+    return (F.linear(x.values.float(), weight.float()) * x.scale * scale).to(x.dtype)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
