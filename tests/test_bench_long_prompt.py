@@ -3,6 +3,7 @@ one real stack, in chunks, with int8 pages; its report's fields present and cons
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -10,7 +11,16 @@ import sys
 import pytest
 import torch
 
-from loadtest.lib.model_costs import attention_flops, kv_token_bytes, linear_flops, model_shape, prefill_flops
+from loadtest.lib.generate_client import StreamRecord
+from loadtest.lib.model_costs import (
+    attention_flops,
+    kv_token_bytes,
+    linear_flops,
+    model_shape,
+    prefill_flops,
+    weight_bytes_per_step,
+)
+from loadtest.stack.bench_long_prompt import prompt_report, prompts_at_once
 from tests.stack import REPO
 
 
@@ -64,3 +74,41 @@ def test_token_counts_are_a_comma_separated_list():
     assert parse_args(["--device", "cpu", "--tokens", "8192,131072"]).tokens == [8192, 131072]
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--tokens", "8K"])
+
+
+def _record(started_s: float, chunk_times_s: list[float]) -> StreamRecord:
+    return StreamRecord(started_s=started_s, chunk_times_s=chunk_times_s, token_ids=list(range(len(chunk_times_s))),
+                        ended_s=chunk_times_s[-1], code="OK")
+
+
+def test_the_decode_of_concurrent_requests_is_timed_while_every_one_decodes(checkpoint):
+    """Two requests, the second's prefill done while the first decodes: only the gaps after the
+    second's first decoded token (at 2.0) and before the first's end (at 2.4) count."""
+    model = model_shape(checkpoint, torch.float32)
+    first = _record(0.0, [1.0, 1.5, 1.9, 2.1, 2.2, 2.4])
+    second = _record(0.0, [1.8, 2.0, 2.2, 2.5, 2.6])
+    rates = {"matmul_tflops": 1.0, "copy_bandwidth_gbs": 10.0}
+    report = prompt_report([first, second], model, 100, 1000, rates)
+    decode = report["decode"]
+    assert report["concurrency"] == 2 and report["output_tokens"] == 6
+    # first: 2.1->2.2 (its 4th token, context 100 + 4), 2.2->2.4; second: 2.0->2.2 (context 102)
+    assert decode["gaps"] == 3 and decode["batch"] == 2
+    assert decode["ms_per_token_p50"] == pytest.approx(200.0) and decode["window_s"] == pytest.approx(0.4)
+    assert decode["mean_context"] == pytest.approx((104 + 105 + 102) / 3)
+    floor_s = (weight_bytes_per_step(model) + 2 * decode["mean_context"] * 1000) / 10e9
+    assert decode["floor_ms"] == pytest.approx(floor_s * 1e3)
+    prefill = report["prefill"]
+    assert prefill["ttft_s"] == [1.0, 1.8] and prefill["last_ttft_s"] == 1.8
+    assert prefill["bound_s_all"] == pytest.approx(2 * prefill["bound_s_each"])
+    assert prefill["bound_s_each"] == pytest.approx(prefill_flops(model, 100) / 1e12)
+    late = _record(0.0, [2.3, 2.5, 2.6])  # its first decoded token after the first request ended
+    assert "skipped" in prompt_report([first, late], model, 100, 1000, rates)["decode"]
+
+
+@pytest.mark.e2e
+def test_prompts_sent_at_once_all_come_back_whole(stack):
+    """The concurrent mode's client against the session's stack: every stream complete, each its own."""
+    prompts = [list(range(10, 60)), list(range(70, 130)), list(range(5, 45))]
+    records = asyncio.run(prompts_at_once(stack.address, prompts, 6, 120))
+    assert [record.tokens for record in records] == [6, 6, 6] and all(record.ok for record in records)
+    assert len({tuple(record.token_ids) for record in records}) == 3

@@ -4,6 +4,7 @@ decode's step at that context beside its memory floor (JSON on stdout).
     python -m loadtest.stack.bench_long_prompt --tokens 524224 --output-tokens 64 --kv-dtype int8 [--quantization fp8]
                                                [--out FILE]
     python -m loadtest.stack.bench_long_prompt --tokens 8192,131072 ...   # several prompts, one stack
+    python -m loadtest.stack.bench_long_prompt --tokens 8192 --concurrency 32 --output-tokens 1024 --kv-dtype int8
 
 The stack is the real one (services/stack/local.py: router, one prefill, one decode; on a GPU the
 decode maps the prefill's weights), with both KV pools sized to the prompt plus its output, the
@@ -11,6 +12,12 @@ router's limits opened to its bytes and its timeouts to its length. Each prompt 
 goes through gRPC as prompt_token_ids, EOS ignored, one after another, after a warm-up prompt of two
 chunks (so the first-call costs and the path of a chunk attending to earlier pages are paid before).
 With several lengths the stack is sized for the longest and started once.
+
+With --concurrency N, N prompts of each length (different ones) go at once, and the pools hold all
+N. The decode is then measured while all N decode: the gaps between tokens after the last request's
+first decoded token and before the first request ends (so --output-tokens must outlast the N
+prefills), beside the floor of a step of batch N. The prefill side reports each request's TTFT,
+the last one beside the bound of all N prompts.
 
 In the same run, before the stack starts (it would share the device otherwise):
 - the matmul rate, so the bound on the TTFT is the prompt's matmul FLOPs (linear layers plus
@@ -92,8 +99,10 @@ def stack_settings(args, pages: int) -> dict[str, str]:
     and the limits and timeouts of the router opened to one prompt of the longest length taking up
     to args.request_timeout_s."""
     base = {"PDSERVE_MODEL_DEVICE": args.device}
-    if args.device.startswith("cuda"):  # one request: one graph, batch 1
-        base = gpu_stack_settings(args.model, SERVICES) | base | {"PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES": "1"}
+    if args.device.startswith("cuda"):  # one request at a time: one graph, batch 1
+        base = gpu_stack_settings(args.model, SERVICES) | base
+        if args.concurrency == 1:
+            base["PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES"] = "1"
     timeout, tokens = str(args.request_timeout_s), max(args.tokens)
     return base | {
         "PDSERVE_MODEL_PATH": args.model, "PDSERVE_MODEL_QUANTIZATION": args.quantization,
@@ -110,9 +119,12 @@ def stack_settings(args, pages: int) -> dict[str, str]:
     }
 
 
-async def one_prompt(address: str, prompt: list[int], output_tokens: int, timeout_s: float) -> StreamRecord:
+async def prompts_at_once(address: str, prompts: list[list[int]], output_tokens: int,
+                          timeout_s: float) -> list[StreamRecord]:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await generate_or_raise(generation_pb2_grpc.GenerationStub(channel), prompt, output_tokens, timeout_s)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return list(await asyncio.gather(*(generate_or_raise(stub, prompt, output_tokens, timeout_s, f"bench-{i}")
+                                           for i, prompt in enumerate(prompts))))
 
 
 def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, rates: dict) -> dict:
@@ -145,12 +157,58 @@ def decode_report(record: StreamRecord, model: PagedLlama, tokens: int, kv_bytes
             "tpot_s": record.tpot_s, "first_to_second_token_s": record.itls_s[0]}
 
 
+def concurrent_prefill_report(records: list[StreamRecord], model: PagedLlama, tokens: int, rates: dict) -> dict:
+    """Each request's TTFT; the last beside the bound of every prompt's FLOPs, since the prompts share
+    the prefill."""
+    bound_s = prefill_bound_s(model, tokens, rates["matmul_tflops"], rates.get("fp8_matmul_tflops"))["bound_s"]
+    ttfts = sorted(record.ttft_s for record in records)
+    return {"ttft_s": ttfts, "ttft_s_p50": quantile(ttfts, 0.5), "last_ttft_s": ttfts[-1], "bound_s_each": bound_s,
+            "bound_s_all": len(records) * bound_s, "last_ttft_over_bound_all": ttfts[-1] / (len(records) * bound_s)}
+
+
+def all_decoding_report(records: list[StreamRecord], model: PagedLlama, tokens: int, kv_bytes: int,
+                        bandwidth_gbs: float) -> dict:
+    """The gaps between tokens while every request decodes: after the last request's first decoded
+    token (its second; the first is the prefill's) and up to the first request's end. A gap's
+    context is the prompt plus the tokens before it (one token a chunk); the floor is a step of the
+    whole batch at the mean of those contexts."""
+    skipped = {"skipped": "no two tokens came while every request decoded: more --output-tokens"}
+    if any(len(record.chunk_times_s) < 3 for record in records):
+        return skipped
+    begin, end = max(record.chunk_times_s[1] for record in records), min(record.ended_s for record in records)
+    gaps, contexts = [], []
+    for record in records:
+        for i, (earlier, later) in enumerate(zip(record.chunk_times_s, record.chunk_times_s[1:])):
+            if begin <= earlier and later <= end:
+                gaps.append(later - earlier)
+                contexts.append(tokens + i + 1)
+    if not gaps:
+        return skipped
+    batch, context = len(records), sum(contexts) / len(contexts)
+    weights = weight_bytes_per_step(model)
+    floor_s = (weights + batch * context * kv_bytes) / (bandwidth_gbs * 1e9)
+    p50 = quantile(gaps, 0.5)
+    return {"batch": batch, "gaps": len(gaps), "window_s": end - begin, "mean_context": context,
+            "ms_per_token_p50": p50 * 1e3, "weight_bytes": weights, "kv_bytes_per_token": kv_bytes,
+            "floor_ms": floor_s * 1e3, "p50_over_floor": p50 / floor_s}
+
+
+def prompt_report(records: list[StreamRecord], model: PagedLlama, tokens: int, kv_bytes: int, rates: dict) -> dict:
+    if len(records) == 1:
+        return {"tokens": tokens, "output_tokens": records[0].tokens,
+                "prefill": prefill_report(records[0], model, tokens, rates),
+                "decode": decode_report(records[0], model, tokens, kv_bytes, rates["copy_bandwidth_gbs"])}
+    return {"tokens": tokens, "concurrency": len(records), "output_tokens": records[0].tokens,
+            "prefill": concurrent_prefill_report(records, model, tokens, rates),
+            "decode": all_decoding_report(records, model, tokens, kv_bytes, rates["copy_bandwidth_gbs"])}
+
+
 def run(args) -> dict:
     rates = device_rates(args.device, args.quantization)
     print(f"rates: {rates}", file=sys.stderr)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     page_size = KvConfig.page_size
-    pages = args.kv_pages or decode_pages_needed(max(args.tokens), args.output_tokens, page_size)
+    pages = args.kv_pages or args.concurrency * decode_pages_needed(max(args.tokens), args.output_tokens, page_size)
     rng = random.Random(0)
     records = []
     with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR,
@@ -160,12 +218,12 @@ def run(args) -> dict:
         vocab = model.vocab_size
         if args.warmup_tokens:
             warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
-            asyncio.run(one_prompt(stack.address, warm, min(3, args.output_tokens), args.request_timeout_s))
+            asyncio.run(prompts_at_once(stack.address, [warm], min(3, args.output_tokens), args.request_timeout_s))
         for tokens in args.tokens:
-            prompt = [rng.randrange(vocab) for _ in range(tokens)]
+            prompts = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(args.concurrency)]
             try:
-                records.append(asyncio.run(one_prompt(stack.address, prompt, args.output_tokens,
-                                                      args.request_timeout_s)))
+                records.append(asyncio.run(prompts_at_once(stack.address, prompts, args.output_tokens,
+                                                           args.request_timeout_s)))
             except RuntimeError:  # the services' logs go with the work folder: their last lines say why
                 for name in stack.processes:
                     print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
@@ -173,13 +231,10 @@ def run(args) -> dict:
     kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
     return {
         "model": args.model, "device": args.device, "quantization": args.quantization, "kv_dtype": args.kv_dtype,
-        "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens,
+        "chunk_tokens": args.chunk_tokens, "warmup_tokens": args.warmup_tokens, "concurrency": args.concurrency,
         "pool_pages": pages, "page_size": page_size, "pool_gb": pages * page_size * kv_bytes / 1e9,
         "rates": rates,
-        "prompts": [{"tokens": tokens, "output_tokens": record.tokens,
-                     "prefill": prefill_report(record, model, tokens, rates),
-                     "decode": decode_report(record, model, tokens, kv_bytes, rates["copy_bandwidth_gbs"])}
-                    for tokens, record in zip(args.tokens, records)],
+        "prompts": [prompt_report(batch, model, tokens, kv_bytes, rates) for tokens, batch in zip(args.tokens, records)],
     }
 
 
@@ -190,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=token_counts, default=[131072],
                         help="prompt tokens; several, comma-separated, go through one stack in turn")
     parser.add_argument("--output-tokens", type=int, default=64, help="generated, EOS ignored")
+    parser.add_argument("--concurrency", type=int, default=1, help="prompts of each length sent at once")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "int8", "float8_e4m3"))
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="model.quantization")
     parser.add_argument("--chunk-tokens", type=int, default=8192,
@@ -203,8 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.model = args.model or ("random:llama-3.1-8b-512k" if args.device.startswith("cuda") else "embedded")
-    if min(args.tokens) < 1 or args.output_tokens < 1:
-        parser.error("--tokens and --output-tokens must be positive")
+    if min(args.tokens) < 1 or args.output_tokens < 1 or args.concurrency < 1:
+        parser.error("--tokens, --output-tokens and --concurrency must be positive")
     if args.warmup_tokens is None:
         longest = max(args.tokens)
         args.warmup_tokens = min(longest, 2 * args.chunk_tokens) if args.chunk_tokens else min(longest, 1024)
