@@ -221,26 +221,40 @@ def test_the_gpus_products_equal_the_cpus(rows):
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().mean()))
 
 
-@pytest.mark.gpu
-def test_the_gpu_prefills_norms_and_silu_quantize_as_the_products_would(tmp_path, monkeypatch):
-    """The GPU prefill with FP8 weights, in chunks past WEIGHT_ONLY_ROWS rows: its norms and SiLU
-    writing their output in FP8 (PagedLlama.fp8_rows_fused) give the logits and pages that
-    quantizing it in a kernel of its own gives, bit for bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+@pytest.mark.slow
+def test_the_kernels_before_the_products_quantize_as_the_products_would(tmp_path, monkeypatch):
+    """The GPU's fused prefill and decode step (on the CPU, Triton interpreted) with FP8 weights and
+    more than WEIGHT_ONLY_ROWS rows: the norms and SiLU writing their output in FP8
+    (PagedLlama.fp8_rows_fused) give the logits and pages that quantizing it in a kernel of its own
+    gives, bit for bit. Both ways quantize with the GPU's kernel, quantize_rows, on the CPU too: the
+    interpreter's FP8 cast is not PyTorch's (tests/triton_cast.py)."""
     from shared.kernels import fused_triton
+    from shared.model import quantization
 
-    model = load_paged_llama(_tiny_checkpoint(tmp_path / "bf16"), "bfloat16", "cuda", "fp8")
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    monkeypatch.setattr(quantization, "quantize_per_token", lambda x: quantize_rows(x.contiguous()))
+    model = load_paged_llama(_tiny_checkpoint(tmp_path / "bf16"), "bfloat16" if cuda else "float32", device, "fp8")
+    model.fused_prefill = True
     calls = {"rms_norm_fp8": 0, "add_rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
     for name in calls:
         def counted(*args, _kernel=getattr(fused_triton, name), _name=name):
             calls[_name] += 1
             return _kernel(*args)
         monkeypatch.setattr(fused_triton, name, counted)
+    batch = WEIGHT_ONLY_ROWS + 4
+    page_table = torch.arange(8, 8 + batch, device=device)[:, None]  # a page each, after the prompt's 7
+    positions = torch.arange(batch, device=device) % 16
     runs = {}
     for fused in (True, False):
         model.fp8_rows_fused = fused
-        pool = allocate_local_pool(model.kv_layout(8, 16), "cuda")[0]
-        runs[fused] = model.prefill(list(range(3, 100)), pool, list(range(7)), chunk_tokens=40), pool.kv.clone()
-    assert calls == {"rms_norm_fp8": 6, "add_rms_norm_fp8": 6, "silu_and_mul_fp8": 6}  # 2 layers x 3 chunks
-    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+        pool = allocate_local_pool(model.kv_layout(8 + batch, 16), device)[0]
+        prompt = model.prefill(list(range(3, 100)), pool, list(range(7)), chunk_tokens=40)  # chunks of 40, 40, 17
+        step = model._decode_fused(torch.arange(5, 5 + batch, device=device), positions, page_table, pool,
+                                   page_table[:, 0], positions, (positions + 1).to(torch.int32))
+        runs[fused] = prompt, step, pool.kv.clone()
+    # prefill: 2 layers x 3 chunks each; the step: the first layer's input norm, both post norms, the
+    # second layer's input norm (the final one stays unquantized, for the lm_head), both SiLUs
+    assert calls == {"rms_norm_fp8": 6 + 1, "add_rms_norm_fp8": 6 + 3, "silu_and_mul_fp8": 6 + 2}
+    for fused, apart in zip(runs[True], runs[False]):
+        assert torch.equal(fused, apart)

@@ -12,9 +12,10 @@ runs as the workers run it:
   at the copy bandwidth;
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
-  attention's at the bf16 rate; with FP8 weights again with the activations quantized by a kernel
-  of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU wrote them in FP8),
-  and whether the two ways' logits are equal;
+  attention's at the bf16 rate;
+- with FP8 weights, the prefill and the steps of more than 16 rows again with the activations
+  quantized by a kernel of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU
+  wrote them in FP8): the time, and whether the logits are equal to the fused way's;
 - each matmul of a layer and the lm_head alone at --linear-rows rows, as the decode step runs it
   (PagedLlama.linears, timed as shared/model/linear_choice.py times: graphed, the weight cold in
   L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
@@ -26,6 +27,7 @@ largest batch's tokens per second and the prefill.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 
@@ -47,22 +49,47 @@ from shared.model.weights import QUANTIZED
 PAGE_SIZE = 16
 
 
+@contextlib.contextmanager
+def quantization_apart(model: PagedLlama):
+    """The activations of FP8 products quantized by a kernel of their own, as before the norms and SiLU did it."""
+    model.fp8_rows_fused = False
+    try:
+        yield
+    finally:
+        model.fp8_rows_fused = True
+
+
+def fp8_weights(model: PagedLlama) -> bool:
+    return model.layers[0].qkv_scale is not None
+
+
 def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float) -> list[dict]:
     pages = max(batches) * pages_for(context + PAGE_SIZE, PAGE_SIZE) + 1
     pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE), "cuda")
     weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, "bfloat16", PAGE_SIZE)
-    results = []
-    for batch in batches:
+
+    def step(batch: int) -> tuple[float, torch.Tensor]:
+        """The graphed step's p50 and its logits (the graph built and captured as the model is set now)."""
         allocator = PageAllocator(pages)
         graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], pages_for(context + PAGE_SIZE, PAGE_SIZE),
                                [batch])
         inputs = decode_batch(allocator, [context] * batch, PAGE_SIZE, "cuda").inputs
-        step_ms = quantile(cuda_time_ms(lambda: graphs.step(inputs), 100), 0.5)
+        ms = quantile(cuda_time_ms(lambda: graphs.step(inputs), 100), 0.5)
+        return ms, graphs.step(inputs).clone()
+
+    results = []
+    for batch in batches:
+        step_ms, logits = step(batch)
         floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
-        results.append({"batch": batch, "context": context, "step_ms_p50": step_ms, "floor_ms": floor_ms,
-                        "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
-                        "weight_gb_per_step": weights / 1e9})
-        del graphs
+        result = {"batch": batch, "context": context, "step_ms_p50": step_ms, "floor_ms": floor_ms,
+                  "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
+                  "weight_gb_per_step": weights / 1e9}
+        if fp8_weights(model) and batch > WEIGHT_ONLY_ROWS:
+            with quantization_apart(model):
+                apart_ms, apart_logits = step(batch)
+            result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": step_ms / apart_ms,
+                       "logits_equal_to_apart": bool(torch.equal(logits, apart_logits))}
+        results.append(result)
     return results
 
 
@@ -80,12 +107,9 @@ def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops
     bound = prefill_bound_s(model, tokens, bf16_tflops, fp8_tflops)
     result = {"tokens": tokens, "ms_p50": ms, "bound_ms": bound["bound_s"] * 1e3,
               "ratio_to_bound": ms / (bound["bound_s"] * 1e3), **bound}
-    if model.layers[0].qkv_scale is not None:
-        model.fp8_rows_fused = False
-        try:
+    if fp8_weights(model):
+        with quantization_apart(model):
             apart_ms = prompt_ms("apart")
-        finally:
-            model.fp8_rows_fused = True
         result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": ms / apart_ms,
                    "logits_equal_to_apart": bool(torch.equal(logits["fused"], logits["apart"]))}
     return result

@@ -32,7 +32,9 @@ numbers are those of shared/model/quantization.fp8_linear: the rows quantized to
 a scale each (fp8_quant_triton.quantize_rows), both operands into the FP8 tensor cores with the
 weight's rows as the MMA's 64-row side, and the two scales on each output after the K loop. This is
 what torch._scaled_mm computes there, but reading the weight as a GEMV does: the decode times both
-(shared/model/linear_choice.py) and keeps the faster.
+(shared/model/linear_choice.py) and keeps the faster. Rows that the kernel before quantized already
+(the decode's norms and SiLU: shared/kernels/fused_triton.py's _fp8 forms) come with their scales
+and go in as they are.
 """
 
 from __future__ import annotations
@@ -212,23 +214,35 @@ def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
     """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, contiguous
-    last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale."""
+    last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale (x
+    may then be in FP8_DTYPE too, quantized already, past WEIGHT_ONLY_ROWS rows)."""
     if weight_scale is None:
         weight_fits = weight.dtype == x.dtype
     else:
         weight_fits = weight.dtype == FP8_DTYPE and _scale_fits(weight, weight_scale)
+    x_fits = x.dtype in SUPPORTED_DTYPES or (x.dtype == FP8_DTYPE and weight_scale is not None
+                                             and x.dim() == 2 and x.shape[0] > WEIGHT_ONLY_ROWS)
     return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
             and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
-            and weight_fits and x.dtype in SUPPORTED_DTYPES
+            and weight_fits and x_fits
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, x_scale: torch.Tensor | None,
+           out_dtype: torch.dtype | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {x.shape[0]}")
-    if x.dtype not in SUPPORTED_DTYPES:
+    if (x.dtype == FP8_DTYPE) != (x_scale is not None) or (x_scale is not None) != (out_dtype is not None):
+        raise ValueError(f"quantized rows ({FP8_DTYPE}) come with their x_scale and an out_dtype, and only they")
+    if x_scale is not None:
+        if weight_scale is None or x_scale.dtype != torch.float32 or x_scale.shape != (x.shape[0], 1):
+            raise ValueError(f"quantized rows need an FP8 weight and x_scale float32 [{x.shape[0]}, 1], got "
+                             f"{x_scale.dtype} {tuple(x_scale.shape)}")
+        if out_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"out_dtype {out_dtype} must be one of {SUPPORTED_DTYPES}")
+    elif x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x {x.dtype} must be one of {SUPPORTED_DTYPES}")
     if weight_scale is None:
         if weight.dtype == FP8_DTYPE:
@@ -244,24 +258,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
         raise ValueError(f"x strides {x.stride()} and weight strides {weight.stride()} need a contiguous last dim")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None,
+         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= 64, K], weight [N, K] row-major, with one of CONFIGS: a new
     [M, N] in x's dtype. The weight is in x's dtype, or in FP8_DTYPE with weight_scale float32 [N]
     (then F.linear(x, weight * weight_scale[:, None]); with a config of more than WEIGHT_ONLY_ROWS
-    rows, x quantized per row first, fp8_linear's W8A8). A config's first call compiles it, so it
-    must not come in a CUDA-graph capture."""
+    rows, x quantized per row first, fp8_linear's W8A8, unless it comes quantized: x in FP8_DTYPE
+    with its x_scale float32 [M, 1], the result in out_dtype). A config's first call compiles it, so
+    it must not come in a CUDA-graph capture."""
     require_triton("gemv")
-    _check(x, weight, weight_scale)
+    _check(x, weight, weight_scale, x_scale, out_dtype)
     rows, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
     if config.kwargs["BLOCK_M"] < rows:
         raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
     w8a8 = weight_scale is not None and config.kwargs["BLOCK_M"] > WEIGHT_ONLY_ROWS
-    # W8A8: the rows quantized as shared/model/quantization.fp8_linear quantizes them.
-    x_in, x_scale = quantize_rows(x) if w8a8 else (x, None)
+    # W8A8: the rows quantized as shared/model/quantization.fp8_linear quantizes them, unless they came so.
+    x_in, x_scale = quantize_rows(x) if w8a8 and x_scale is None else (x, x_scale)
     split_k = config.kwargs["SPLIT_K"]
     # Unused unless the config splits K; out stands in for it otherwise.
     partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels import gemv_triton
-from shared.model.quantization import fp8_linear
+from shared.model.quantization import Fp8Rows, fp8_linear
 
 log = structlog.get_logger()
 
@@ -94,12 +94,13 @@ class LinearChooser:
         # (services/decode/cuda_graphs.py): their shapes take it even where cuBLAS was chosen.
         self.gemv_rows: set[int] = set()
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def apply(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
               scale: torch.Tensor | None = None) -> torch.Tensor:
         """scale: an FP8 weight's per-channel scale. Up to gemv_triton.WEIGHT_ONLY_ROWS rows such a
         weight takes the GEMV (cuBLAS has no product of bf16 activations with FP8 weights), its
         fastest config; up to MAX_ROWS, whichever of the GEMV's W8A8 and shared/model/quantization.
-        fp8_linear's (torch._scaled_mm) timed faster; other shapes take fp8_linear."""
+        fp8_linear's (torch._scaled_mm) timed faster, x quantized by the kernel before or not
+        (Fp8Rows); other shapes take fp8_linear."""
         if scale is not None:
             return self._apply_fp8(x, weight, bias, scale)
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
@@ -109,12 +110,13 @@ class LinearChooser:
             return gemv_triton.gemv(x, weight, choice.gemv_config)
         return F.linear(x, weight)
 
-    def _apply_fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def _apply_fp8(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None,
                    scale: torch.Tensor) -> torch.Tensor:
-        choice = self.choice(x, weight, scale) if gemv_triton.supports(x, weight, scale) else None
-        if choice is None or not (choice.use_gemv or x.shape[0] in self.gemv_rows):
+        rows, quantized = _gemv_rows(x)
+        choice = self.choice(x, weight, scale) if gemv_triton.supports(rows, weight, scale) else None
+        if choice is None or not (choice.use_gemv or len(rows) in self.gemv_rows):
             return fp8_linear(x, weight, scale, bias)
-        out = gemv_triton.gemv(x, weight, choice.gemv_config, weight_scale=scale)
+        out = gemv_triton.gemv(rows, weight, choice.gemv_config, weight_scale=scale, **quantized)
         return out if bias is None else out + bias
 
     def uses_cublas(self, rows: int) -> bool:
@@ -122,41 +124,53 @@ class LinearChooser:
         forcing the GEMV on them change a step)."""
         return self.mode == "auto" and any(not c.use_gemv for c in self.choices.values() if c.rows == rows)
 
-    def choice(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Choice | None:
-        """The choice for this shape, timed at its first call; None when that call is in a capture."""
-        key = (x.shape[0], *weight.shape, weight.dtype)
+    def choice(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor,
+               scale: torch.Tensor | None = None) -> Choice | None:
+        """The choice for this shape, timed at its first call; None when that call is in a capture. Rows
+        quantized before (Fp8Rows) share the key of the same rows unquantized: either way the choice is
+        between the GEMV's W8A8 and torch._scaled_mm for that shape."""
+        rows = len(_gemv_rows(x)[0])
+        key = (rows, *weight.shape, weight.dtype)
         choice = self.choices.get(key)
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
                 log.warning("linear shape first seen in a CUDA graph capture, not timed: cuBLAS, or for an FP8 "
-                            "weight quantization.fp8_linear", rows=x.shape[0], n=weight.shape[0], k=weight.shape[1])
+                            "weight quantization.fp8_linear", rows=rows, n=weight.shape[0], k=weight.shape[1])
                 return None
             choice = self.choices[key] = self._time_all(x, weight, scale)
         return choice
 
-    def _time_all(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
-        device = x.device.index
-        configs = gemv_triton.usable_configs(x.shape[0], *weight.shape, gemv_triton.num_sms(device),
+    def _time_all(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
+        rows, quantized = _gemv_rows(x)
+        device = rows.device.index
+        configs = gemv_triton.usable_configs(len(rows), *weight.shape, gemv_triton.num_sms(device),
                                              gemv_triton.shared_memory_per_program(device), weight.element_size(),
-                                             x.element_size())
+                                             rows.element_size())
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
-        elif x.shape[0] > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
+        elif len(rows) > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
             candidates = {"cublas": lambda w: fp8_linear(x, w, scale)}
         else:  # weight-only: there is no library product of bf16 rows with FP8 weights
             candidates = {}
         for i, config in enumerate(configs):
-            candidates[i] = functools.partial(gemv_triton.gemv, x, config=config, weight_scale=scale)
+            candidates[i] = functools.partial(gemv_triton.gemv, rows, config=config, weight_scale=scale, **quantized)
         times = time_per_call_ms(candidates, weight)
         best = fastest_config(configs, [times[i] for i in range(len(configs))])
         cublas_ms = times.get("cublas", math.nan)
-        choice = Choice(x.shape[0], *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
+        choice = Choice(len(rows), *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
                         use_gemv=not math.isfinite(cublas_ms) or prefer_gemv(cublas_ms, times[best], self.mode))
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
                  cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
                  gemv_config=str(configs[best].kwargs),
                  backend="triton-gemv" if choice.use_gemv else "cublas")
         return choice
+
+
+def _gemv_rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, dict]:
+    """The rows the GEMV reads, and the arguments that say they come quantized (gemv_triton.gemv)."""
+    if isinstance(x, Fp8Rows):
+        return x.values, {"x_scale": x.scale, "out_dtype": x.dtype}
+    return x, {}
 
 
 def time_per_call_ms(candidates: dict[object, Callable[[torch.Tensor], torch.Tensor]],

@@ -80,8 +80,9 @@ class PagedLlama:
         # There, the residual adds inside the matmuls where they can be (_output_and_mlp_fused);
         # benchmarks compare it with the adds apart.
         self.adds_in_matmuls = True
-        # With FP8 weights, the norms and SiLU before a product quantize their output in the same
-        # kernel (_quantized_for); benchmarks compare it with the quantization apart.
+        # With FP8 weights, the GPU's norms and SiLU before a product that quantizes its rows (a prefill
+        # chunk's, a decode batch of more than 16) quantize their output in the same kernel
+        # (_quantized_for); benchmarks compare it with the quantization apart.
         self.fp8_rows_fused = True
 
     @classmethod
@@ -253,20 +254,12 @@ class PagedLlama:
             hidden, residual = fused_triton.rms_norm(x, layer.post_norm, self.eps), x
         else:
             attn = self.tp.all_reduce(linear(out, layer.o_proj, layer.o_proj_scale, layer.o_proj_bias))
-            if self._quantized_for(layer.gate_up_scale, len(x)):
-                (values, scale), residual = fused_triton.add_rms_norm_fp8(attn, x, layer.post_norm, self.eps)
-                hidden = Fp8Rows(values, scale, x.dtype)
-            else:
-                hidden, residual = fused_triton.add_rms_norm(attn, x, layer.post_norm, self.eps)
+            hidden, residual = self._normed_for(attn, x, layer.post_norm, layer.gate_up_scale)
         if layer.moe is not None:
             torch.add(residual, self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, layer_kernels.fused())),
                       out=x)
             return
-        gate_up = linear(hidden, layer.gate_up, layer.gate_up_scale)
-        if self._quantized_for(layer.down_scale, len(x)):
-            act = Fp8Rows(*fused_triton.silu_and_mul_fp8(gate_up), x.dtype)
-        else:
-            act = fused_triton.silu_and_mul(gate_up)
+        act = self._silu_for(linear(hidden, layer.gate_up, layer.gate_up_scale), layer.down_scale)
         if in_matmul:
             x.addmm_(act, layer.down.t())
         else:
@@ -276,11 +269,8 @@ class PagedLlama:
                    index: int, pages: torch.Tensor, offsets: torch.Tensor, k_out: torch.Tensor):
         """A chunk's q and v as _qkv computes them, its rotated k written to k_out; K and V go to the
         pages (quantized where they are) in the same Triton kernel as the RoPE, as the decode writes them."""
-        if self._quantized_for(layer.qkv_scale, len(x)):
-            normed = Fp8Rows(*fused_triton.rms_norm_fp8(x, layer.input_norm, self.eps), x.dtype)
-        else:
-            normed = fused_triton.rms_norm(x, layer.input_norm, self.eps)
-        qkv = linear(normed, layer.qkv, layer.qkv_scale, layer.qkv_bias)
+        qkv = linear(self._normed_for(x, None, layer.input_norm, layer.qkv_scale)[0], layer.qkv, layer.qkv_scale,
+                     layer.qkv_bias)
         if layer.q_norm is not None:
             self._norm_heads_in_place(layer, qkv)
         q = fused_triton.rope_write_kv(qkv, self.cos, self.sin, positions, pool.key(index), pool.value(index),
@@ -290,9 +280,28 @@ class PagedLlama:
         return q, v
 
     def _quantized_for(self, weight_scale: torch.Tensor | None, rows: int) -> bool:
-        """Whether the GPU prefill's kernel before a product writes its output in FP8 for it: an FP8
-        weight, and more rows than the weight-only products take (fp8_linear would quantize them)."""
+        """Whether the GPU's kernel before a product writes its output in FP8 for it: an FP8 weight,
+        and more rows than the weight-only products take (the product would quantize them)."""
         return self.fp8_rows_fused and weight_scale is not None and rows > WEIGHT_ONLY_ROWS
+
+    def _normed_for(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    product_scale: torch.Tensor | None) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(normed, summed): the GPU's RMSNorm of x, or of x + residual (summed: the new residual
+        stream, x itself without one), in FP8 where the product that reads it wants (_quantized_for)."""
+        if self._quantized_for(product_scale, len(x)):
+            if residual is None:
+                return Fp8Rows(*fused_triton.rms_norm_fp8(x, norm_weight, self.eps), x.dtype), x
+            quantized, summed = fused_triton.add_rms_norm_fp8(x, residual, norm_weight, self.eps)
+            return Fp8Rows(*quantized, x.dtype), summed
+        if residual is None:
+            return fused_triton.rms_norm(x, norm_weight, self.eps), x
+        return fused_triton.add_rms_norm(x, residual, norm_weight, self.eps)
+
+    def _silu_for(self, gate_up: torch.Tensor, product_scale: torch.Tensor | None) -> torch.Tensor | Fp8Rows:
+        """The GPU's SiLU with the gate product, in FP8 where the down product wants (_quantized_for)."""
+        if self._quantized_for(product_scale, len(gate_up)):
+            return Fp8Rows(*fused_triton.silu_and_mul_fp8(gate_up), gate_up.dtype)
+        return fused_triton.silu_and_mul(gate_up)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
@@ -343,11 +352,13 @@ class PagedLlama:
         residual add, RoPE with the KV write, SiLU with the gate product): ten kernels a layer
         instead of about thirty-five, which is most of a small batch's step time. The matmuls go
         through self.linears, which reads each weight with cuBLAS or the Triton GEMV, whichever
-        was faster for the shape; MLA layers' attention and the shared experts' too."""
+        was faster for the shape; MLA layers' attention and the shared experts' too. With FP8 weights
+        and more than 16 rows the norms and SiLU hand their products rows in FP8 (_normed_for)."""
         batch = len(token_ids)
         residual = self.embed[token_ids]
-        hidden = fused_triton.rms_norm(residual, self.layers[0].input_norm, self.eps)
-        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        hidden = self._normed_for(residual, None, self.layers[0].input_norm, self.layers[0].qkv_scale)[0]
+        # The norm after each layer: the next layer's input norm, for its qkv product, or the final one.
+        norms = [(layer.input_norm, layer.qkv_scale) for layer in self.layers[1:]] + [(self.final_norm, None)]
         kernels = layer_kernels.fused(self.linears.apply)
         for i, layer in enumerate(self.layers):
             if self.mla is not None:
@@ -356,14 +367,14 @@ class PagedLlama:
                 out = self._attention_step(layer, i, hidden, positions, pool, pages, offsets, page_table,
                                            seq_lens).reshape(batch, -1)
             attn = self.tp.all_reduce(self.linears.apply(out, layer.o_proj, layer.o_proj_bias, layer.o_proj_scale))
-            hidden, residual = fused_triton.add_rms_norm(attn, residual, layer.post_norm, self.eps)
+            hidden, residual = self._normed_for(attn, residual, layer.post_norm, layer.gate_up_scale)
             if layer.moe is not None:
                 mlp = self.tp.all_reduce(moe_forward(hidden, layer.moe, self.routing, kernels))
             else:
                 gate_up = self.linears.apply(hidden, layer.gate_up, scale=layer.gate_up_scale)
-                mlp = self.tp.all_reduce(self.linears.apply(kernels.silu_and_mul(gate_up), layer.down,
+                mlp = self.tp.all_reduce(self.linears.apply(self._silu_for(gate_up, layer.down_scale), layer.down,
                                                             scale=layer.down_scale))
-            hidden, residual = fused_triton.add_rms_norm(mlp, residual, norms[i], self.eps)
+            hidden, residual = self._normed_for(mlp, residual, *norms[i])
         return self._whole_vocab(self.linears.apply(hidden, self.lm_head)).float()
 
     def _attention_step(self, layer: LayerWeights, index: int, hidden: torch.Tensor, positions, pool: PagedKvPool,
