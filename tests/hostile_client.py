@@ -16,7 +16,7 @@ import time
 import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.config import Config
+from shared.config.schema import Config
 from tests.connections import closed_by_peer
 
 TIMEOUT_S = 30.0

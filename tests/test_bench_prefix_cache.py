@@ -18,7 +18,7 @@ from loadtest.stack import prefix_comparison
 from loadtest.stack import serving_metrics as metrics
 from loadtest.stack.bench_serving import goodput_fields, modes_to_run, parse_args, stack_settings
 from loadtest.stack.serving_workloads import mode_workloads, warm_up_schedule
-from shared.config import load_config
+from shared.config.loading import load_config
 from tests.stack import REPO
 
 SLO = metrics.Slo(ttft_s=1.0, tpot_s=0.1)

@@ -24,7 +24,7 @@ from loadtest.stack.serving_modes import MODES, MpsSplit, Topology
 from loadtest.stack.serving_workloads import mode_workloads
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.topology import plan_workers
-from shared.config import env_name, load_config
+from shared.config.loading import env_name, load_config
 from tests.stack import REPO, free_port
 
 SLO = metrics.Slo(ttft_s=1.0, tpot_s=0.1)

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from tests.conftest import CACHE_DIR
 from tests.connections import closed_by_peer
 from tests.stack import ServiceStack

@@ -22,7 +22,7 @@ import torch
 
 from services.colocated.notify import JointNotify
 from services.colocated.threads import run_together
-from shared.config import parse_cores
+from shared.config.schema import parse_cores
 from shared.control.messages import EXIT_REFUSED
 from shared.control.router_link import RegistrationRefused, WorkerLoad
 from shared.kv.pool import make_layout

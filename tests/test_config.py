@@ -1,4 +1,4 @@
-"""shared/config.py: defaults, the four layers in order of precedence, and errors that say where."""
+"""shared/config/ (schema.py, loading.py): defaults, the four layers in order of precedence, and errors that say where."""
 
 import argparse
 import os
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config, ConfigError, add_config_arguments, load_config, parse_cores
+from shared.config.loading import add_config_arguments, load_config
+
+from shared.config.schema import Config, ConfigError, parse_cores
 from shared.runtime.service_config import check_service
 from tests.stack import REPO
 
@@ -272,7 +274,7 @@ def test_a_prefill_held_to_flashinfer_without_it_is_refused():
 
 
 def test_prefill_attention_names_the_ways_the_model_layer_has():
-    """shared/config.py imports nothing of the model layer, so its list of ways is written out: it
+    """shared/config/schema.py imports nothing of the model layer, so its list of ways is written out: it
     stays the attention module's ways and `auto`."""
     from shared.model.attention import PREFILL_WAYS
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.router.server import FILES_BESIDE_HTTP
-from shared.config import Config, RouterConfig, parse_cores
+from shared.config.schema import Config, RouterConfig, parse_cores
 from shared.control.messages import EXIT_REFUSED
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
@@ -58,7 +58,7 @@ def environment(name: str) -> dict[str, str]:
 
 
 def config_variables() -> set[str]:
-    """Every PDSERVE_<SECTION>_<FIELD> that shared/config.py reads."""
+    """Every PDSERVE_<SECTION>_<FIELD> that shared/config/schema.py declares."""
     hints = typing.get_type_hints(Config)
     return {f"PDSERVE_{section.name}_{f.name}".upper()
             for section in dataclasses.fields(Config) for f in dataclasses.fields(hints[section.name])}

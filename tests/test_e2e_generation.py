@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.v1 import generation_pb2
 
-from shared.config import load_config
+from shared.config.loading import load_config
 from tests.conftest import CACHE_DIR, SKEWED_CLOCKS
 from tests.reference import assert_matches_reference, reference_greedy
 from tests.stack import ServiceStack

@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from services.router.api.http_server import HttpServer
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from tests.connections import closed_by_peer
 from tests.stack import free_port
 

@@ -24,7 +24,7 @@ from pdserve.v1 import generation_pb2
 from services.decode.kv_pull import HandoffError, KvPuller
 from shared.control import wire
 from shared.control.messages import DecodeTask, KvPoolHandle, SamplingParams, StopParams
-from shared.config import KvConfig
+from shared.config.schema import KvConfig
 from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.transfer import TransferState
 from shared.kv.transfer.nixl_agent import nixl_module

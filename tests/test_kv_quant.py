@@ -11,7 +11,8 @@ import torch
 
 from services.router.control.registration import RegistrationPolicy
 from services.router.control.worker_records import WorkerRegistry
-from shared.config import ConfigError, load_config
+from shared.config.loading import load_config
+from shared.config.schema import ConfigError
 from shared.control.messages import PROTOCOL_VERSION, KvPoolHandle, ModelFingerprint, Register, Role
 from shared.kernels import kv_quant
 from shared.kv.pool import (

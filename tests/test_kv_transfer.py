@@ -197,7 +197,7 @@ class SentMessages:
 @pytest.fixture
 def decode(tmp_path):
     from services.decode.worker import DecodeWorker
-    from shared.config import load_config
+    from shared.config.loading import load_config
     from shared.runtime.process import StopSignals, SystemdNotify
     from shared.worker.main import WorkerProcess, load_model
 

@@ -36,7 +36,7 @@ def imported_modules(path: Path) -> list[str]:
 
 
 def shared_layer(path: Path) -> str:
-    """shared/config.py -> config, shared/kv/transfer/nixl.py -> kv."""
+    """shared/config/schema.py -> config, shared/kv/transfer/nixl.py -> kv."""
     parts = path.relative_to(REPO / "shared").with_suffix("").parts
     return parts[0]
 

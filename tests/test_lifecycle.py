@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pdserve.v1 import generation_pb2
-from shared.config import env_name
+from shared.config.loading import env_name
 from shared.control.messages import EXIT_REFUSED
 from shared.runtime.admin_token import local_admin_token_path
 from shared.runtime.tasks import MAX_FAILURES_IN_A_ROW

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generation_pb2
 from services.router.control.worker_records import WorkerRecord
-from shared.config import ConfigError, load_config
+from shared.config.loading import load_config
+from shared.config.schema import ConfigError
 from shared.control.messages import FinishReason, ModelFingerprint, Role
 from shared.model.loader import load_hf_config
 from shared.runtime import metrics

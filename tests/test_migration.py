@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from pdserve.v1 import generation_pb2
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control import wire
 from shared.control.messages import (
     Abort,

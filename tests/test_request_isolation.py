@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 from services.router.control.request import ErrorEvent, InflightRequest, TokenEvent
 from services.router.control.token_router import TokenRouter
 from services.router.validation import Job
-from shared.config import Config
+from shared.config.schema import Config
 from shared.control import wire
 from shared.control.messages import (
     Abort,

@@ -9,7 +9,7 @@ from services.router.control.request import InflightRequest
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.validation import Job
-from shared.config import RoutingConfig
+from shared.config.schema import RoutingConfig
 from shared.control.messages import (
     PROTOCOL_VERSION,
     KvCacheEvents,

@@ -30,7 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.config import ConfigError, load_config
+from shared.config.loading import load_config
+from shared.config.schema import ConfigError
 from shared.control import wire
 from shared.control.curve import KeyPolicy, secure_server
 from shared.control.messages import (

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from pdserve.v1 import generation_pb2
 
-from shared.config import env_name
+from shared.config.loading import env_name
 from shared.model.loader import load_hf_config
 from shared.worker.ranks import RANK_VARIABLE
 from tests.conftest import CACHE_DIR

@@ -12,7 +12,8 @@ import pytest
 
 from services.stack.preflight import bound_addresses, obstacles
 from services.stack.topology import format_cores, plan_workers, split_cores
-from shared.config import ConfigError, add_config_arguments, load_config, parse_cores, parse_devices
+from shared.config.loading import add_config_arguments, load_config
+from shared.config.schema import ConfigError, parse_cores, parse_devices
 from shared.runtime.runtime_dir import claim_runtime_dir
 
 SIXTEEN = list(range(16))

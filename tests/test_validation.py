@@ -18,7 +18,7 @@ from services.router.validation import (
 )
 from shared.control import wire
 from shared.control.messages import PrefillTask
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.model.generation_config import SamplingDefaults
 
 LIMITS = ModelLimits(vocab_size=1000, max_context=64, default_max_tokens=256)

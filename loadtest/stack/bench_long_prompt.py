@@ -51,7 +51,7 @@ from loadtest.lib.report import emit
 from loadtest.lib.stack_settings import MODEL_CACHE_DIR, gpu_stack_settings
 from pdserve.v1 import generation_pb2_grpc
 from services.stack.local import SERVICES, LocalStack
-from shared.config import QUANTIZATIONS, KvConfig, RouterConfig
+from shared.config.schema import QUANTIZATIONS, KvConfig, RouterConfig
 from shared.kv.pages import decode_pages_needed
 from shared.model.llama import PagedLlama
 from shared.model.loader import load_hf_config, resolve_checkpoint

@@ -65,7 +65,7 @@ from loadtest.stack.serving_args import parse_args
 from loadtest.stack.serving_client import replay
 from loadtest.stack.serving_modes import MODES, Mode, serving
 from loadtest.stack.serving_workloads import Workload, mode_workloads, warm_up_schedule
-from shared.config import ConfigError, parse_devices
+from shared.config.schema import ConfigError, parse_devices
 
 # A workload is expected to take its schedule plus this much to drain, when judging the time left.
 DRAIN_ALLOWANCE_S = 15.0

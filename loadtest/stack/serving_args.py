@@ -8,7 +8,7 @@ from pathlib import Path
 from loadtest.lib.workload import DEFAULT_TRACE, MODEL_CONTEXT
 from loadtest.stack import serving_metrics as metrics
 from loadtest.stack.serving_modes import CACHE_SETTINGS, CACHED_MODES, LAYOUT_MODES, MODES, ROUTINGS, MpsSplit, Topology
-from shared.config import ConfigError, parse_devices
+from shared.config.schema import ConfigError, parse_devices
 
 CPU_MODES = "disaggregated,colocated,transformers"
 GPU_MODES = "disaggregated,colocated,mps,transformers"

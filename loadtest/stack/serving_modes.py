@@ -30,7 +30,7 @@ from pathlib import Path
 from loadtest.lib.mps_daemon import MpsDaemon, find_mps_control
 from services.stack.local import LocalStack
 from services.stack.supervisor import REPO
-from shared.config import env_name
+from shared.config.loading import env_name
 
 CACHE_SETTINGS = {"on": True, "off": False}   # --prefix-cache: prefill.prefix_cache
 ROUTINGS = {"prefix": True, "load": False}     # --routing: routing.prefix_aware

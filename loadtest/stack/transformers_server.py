@@ -24,7 +24,7 @@ from services.router.api.generation import generate_input
 from services.router.detokenizer import IncrementalText
 from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.validation import InvalidRequest, Job, ModelLimits, build_job, check_request_shape
-from shared.config import Config
+from shared.config.schema import Config
 from shared.model import presets
 from shared.model.generation_config import sampling_defaults
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.config import default_runtime_dir, env_name
+from shared.config.loading import env_name
+from shared.config.schema import default_runtime_dir
 from shared.runtime.admin_token import local_admin_token_path
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from shared.config import KvConfig
+from shared.config.schema import KvConfig
 from shared.control import wire
 from shared.control.messages import DecodeTask, KvLayout, KvPoolHandle
 from shared.kv.pages import pages_for, pulled_indices, ring_row

@@ -17,7 +17,7 @@ import torch
 from services.decode.cuda_graphs import GraphedDecode
 from services.decode.kv_pull import KvPuller
 from services.decode.step_inputs import StepInputs
-from shared.config import Config
+from shared.config.schema import Config
 from shared.kernels.device import on_stream, worker_stream
 from shared.kv.heads import kv_heads_of
 from shared.kv.pages import pages_for

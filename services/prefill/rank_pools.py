@@ -8,7 +8,7 @@ opens the pools that hold its heads (services/decode/kv_pull.py).
 
 from __future__ import annotations
 
-from shared.config import Config
+from shared.config.schema import Config
 from shared.control import wire
 from shared.control.messages import KvLayout, KvPoolHandle, PoolAvailable
 from shared.kv.heads import kv_heads_of

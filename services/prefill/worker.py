@@ -31,7 +31,7 @@ from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import Lease, PrefixCache
 from services.prefill.rank_pools import export_rank_pool
 from services.prefill.warmup import warmup_prompts
-from shared.config import Config
+from shared.config.schema import Config
 from shared.control import wire
 from shared.control.dispatch import FatalError
 from shared.control.messages import Abort, ErrorCode, Failed, KvLayout, KvReady, PrefillTask, ReleaseKv, Role

@@ -33,7 +33,7 @@ from services.router.control.token_router import TokenRouter
 from services.router.frontend import Frontend
 from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.validation import ModelLimits
-from shared.config import Config, RouterConfig
+from shared.config.schema import Config, RouterConfig
 from shared.model.fingerprint import checkpoint_fingerprint
 from shared.model.generation_config import sampling_defaults
 from shared.model.loader import config_dict, resolve_checkpoint

@@ -13,7 +13,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control.messages import SamplingParams, StopParams
 from shared.model.generation_config import SamplingDefaults
 

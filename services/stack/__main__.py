@@ -26,7 +26,8 @@ import structlog
 from services.stack.preflight import obstacles
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import plan_workers
-from shared.config import Config, ConfigError, flag_name
+from shared.config.loading import flag_name
+from shared.config.schema import Config, ConfigError
 from shared.runtime.admin_token import ensure_local_admin_token
 from shared.runtime.log import configure_logging
 from shared.runtime.service_config import parse_service_config

@@ -29,7 +29,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from services.stack.ports import free_port
 from services.stack.supervisor import RestartPolicy, Service, Supervisor
 from services.stack.topology import ROLES, WorkerPlan, plan_workers
-from shared.config import env_name, load_config
+from shared.config.loading import env_name, load_config
 from shared.control.messages import Role
 from shared.runtime.admin_token import ensure_local_admin_token
 from shared.runtime.runtime_dir import prepare_runtime_dir

@@ -8,7 +8,7 @@ reach the first stack's router.
 from __future__ import annotations
 
 from services.stack.topology import WorkerPlan
-from shared.config import Config
+from shared.config.schema import Config
 from shared.runtime.binding import bind_error
 from shared.runtime.runtime_dir import FolderInUse, claim_runtime_dir
 

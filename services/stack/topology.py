@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import Config, ConfigError, env_name, flag_name, parse_cores, parse_devices
+from shared.config.loading import env_name, flag_name
+
+from shared.config.schema import Config, ConfigError, parse_cores, parse_devices
 from shared.control.messages import Role
 
 ROLES = (Role.PREFILL, Role.DECODE)

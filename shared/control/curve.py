@@ -36,7 +36,7 @@ import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
-from shared.config import RouterConfig, WorkerConfig
+from shared.config.schema import RouterConfig, WorkerConfig
 from shared.control.messages import Role
 
 METADATA_HELP = ("add `role = prefill` (or decode) and `worker_ids = <ids, comma-separated, globs allowed, "

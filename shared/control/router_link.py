@@ -30,7 +30,7 @@ from typing import Callable
 import structlog
 import zmq
 
-from shared.config import WorkerConfig
+from shared.config.schema import WorkerConfig
 from shared.control import wire
 from shared.control.curve import secure_client
 from shared.control.dispatch import Dispatcher, FatalError

@@ -1,8 +1,8 @@
-"""A service's config at start: loaded (shared/config.py), then checked against what the service
-itself will read: the CURVE certificates, TLS and token files, the runtime folder.
+"""A service's config at start: loaded (shared/config/loading.py), then checked against what the
+service itself will read: the CURVE certificates, TLS and token files, the runtime folder.
 
-shared/config.py checks values; this module checks the files they name, because only the service
-that reads a file knows whether it needs it (the router needs its secret key, a worker the
+shared/config/schema.py checks values; this module checks the files they name, because only the
+service that reads a file knows whether it needs it (the router needs its secret key, a worker the
 router's public key). A bad file stops the service at start with a one-line reason, exit 2.
 """
 
@@ -16,7 +16,9 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from shared.config import Config, ConfigError, RouterConfig, add_config_arguments, load_config
+from shared.config.loading import add_config_arguments, load_config
+
+from shared.config.schema import Config, ConfigError, RouterConfig
 from shared.control.curve import KeyPolicy, needs_curve
 from shared.runtime.runtime_dir import UnsafePath, prepare_runtime_dir
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from shared.config import parse_cores
+from shared.config.schema import parse_cores
 
 
 def pin_to_cores(spec: str, half: str) -> list[int]:

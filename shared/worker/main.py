@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from shared.config import Config
+from shared.config.schema import Config
 from shared.control.dispatch import FatalError
 from shared.control.messages import ModelFingerprint, Role
 from shared.kernels import flashinfer_prefill

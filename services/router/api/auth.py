@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health
 
 from pdserve.v1 import generation_pb2
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 
 OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
 ADMIN_PREFIX = f"/{generation_pb2.DESCRIPTOR.services_by_name['Admin'].full_name}/"

@@ -17,7 +17,7 @@ import structlog
 import uvicorn
 
 from services.router.api.http_connections import Connections, protocol_factory
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.runtime.tasks import OnFailure, spawn
 
 log = structlog.get_logger()

@@ -29,7 +29,7 @@ from typing import Callable
 from services.router.control.request import InflightRequest, RequestError
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control.messages import ErrorCode, Role
 from shared.kv.pages import decode_pages_needed, pages_for
 from shared.runtime import metrics

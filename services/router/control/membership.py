@@ -35,7 +35,7 @@ import structlog
 from services.router.control.registration import RegistrationPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control.messages import (
     Abort,
     Deregister,

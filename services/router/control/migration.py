@@ -26,7 +26,7 @@ from services.router.control.admission import Admission
 from services.router.control.request import InflightRequest, Stage
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control.messages import Role
 from shared.runtime import metrics
 

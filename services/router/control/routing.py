@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from services.router.control.request import InflightRequest
 from services.router.control.worker_records import WorkerRecord
-from shared.config import RoutingConfig
+from shared.config.schema import RoutingConfig
 
 
 class RoutingPolicy:

@@ -39,7 +39,7 @@ from services.router.control.request import ErrorEvent, InflightRequest, Stage, 
 from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
-from shared.config import Config
+from shared.config.schema import Config
 from shared.control.dispatch import Dispatcher
 from shared.control.messages import (
     Abort,

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from services.router.control.registration import version_refusal
 from services.router.control.worker_records import WorkerRecord
-from shared.config import RouterConfig
+from shared.config.schema import RouterConfig
 from shared.control import wire
 from shared.control.curve import CurveServer, secure_server
 from shared.control.messages import PROTOCOL_VERSION, Refused
