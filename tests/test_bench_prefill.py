@@ -8,7 +8,7 @@ import torch
 from loadtest.engine import bench_prefill
 from loadtest.lib import kernel_profile
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 
 
 def test_the_baseline_prefill_gives_the_prefills_logits_and_pages():

@@ -21,7 +21,7 @@ from shared.model.fingerprint import model_fingerprint
 from shared.model.generation_config import SamplingDefaults, sampling_defaults
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 from shared.model.loader import UnsupportedModel, layer_windows
 from tests.conftest import CACHE_DIR
 from tests.protocol_peer import ProtocolPeer

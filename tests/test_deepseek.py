@@ -15,7 +15,8 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Conf
 
 from shared.kv.pool import allocate_local_pool, shard_regions, token_bytes
 from shared.model import moe
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 from shared.model.loader import UnsupportedModel
 from shared.model.mla import softmax_scale
 from shared.model.weights import LlamaWeights

@@ -14,7 +14,7 @@ from shared.kernels.fp8_quant_triton import quantize_rows
 from shared.kv.pool import allocate_local_pool
 from shared.model.fingerprint import differences, model_fingerprint
 from shared.model.fp8_weights import UnsupportedQuantization, is_fp8_checkpoint
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 from shared.model.quantization import (
     FP8,
     FP8_MAX,

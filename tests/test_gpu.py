@@ -155,7 +155,7 @@ def test_decode_stream_has_the_highest_priority():
 
 
 def test_graphed_decode_equals_eager():
-    from shared.model.llama import load_paged_llama
+    from shared.model.from_checkpoint import load_paged_llama
     from tests.decode_inputs import assert_graph_replay_equals_eager
 
     assert_graph_replay_equals_eager(load_paged_llama("random:llama-tiny", "float32", "cuda:0"))
@@ -167,7 +167,7 @@ def test_short_steps_over_a_long_context_table_replay_the_narrow_capture():
     longer one does not. Either replay computes the eager step."""
     from services.decode.cuda_graphs import SHORT_CONTEXT, GraphedDecode
     from shared.kernels.decode_tiling import LONG_CONTEXT
-    from shared.model.llama import load_paged_llama
+    from shared.model.from_checkpoint import load_paged_llama
     from tests.decode_inputs import PAGE_SIZE, prefilled_step_inputs
 
     model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")
@@ -205,7 +205,7 @@ def test_programmatic_launch_leaves_the_step_bit_identical():
     from services.decode.step_inputs import DecodingRequest, step_inputs
     from shared.control.messages import SamplingParams, StopParams
     from shared.kernels import triton_support
-    from shared.model.llama import load_paged_llama
+    from shared.model.from_checkpoint import load_paged_llama
 
     device = torch.device("cuda:0")
     assert triton_support.pdl_options(device)["USE_PDL"] == (torch.cuda.get_device_capability(0) >= (9, 0))
@@ -546,7 +546,7 @@ def test_shared_weights_are_refused_on_another_gpu(tmp_path, monkeypatch):
     """map_weights compares the GPU the weights file names with the decode's, before opening any
     handle; here the decode's GPU is made to look like another one."""
     from shared.model import weight_share
-    from shared.model.llama import load_paged_llama
+    from shared.model.from_checkpoint import load_paged_llama
     from shared.model.presets import preset_config
 
     model = load_paged_llama("random:llama-tiny", "float32", "cuda:0")

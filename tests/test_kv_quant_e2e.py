@@ -25,7 +25,7 @@ from pdserve.v1 import generation_pb2
 from shared.control.messages import EXIT_REFUSED
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 from tests.conftest import CACHE_DIR
 from tests.reference import assert_matches_reference
 from tests.stack import ServiceStack

@@ -8,7 +8,7 @@ import torch
 from shared.kernels import kv_quant
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Les fleurs du jardin sont très belles et"]
 KV_FORMATS = ["int8", "float8_e4m3"]

@@ -10,7 +10,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from services.prefill.warmup import other_ranges, warmup_prompts
 from shared.kernels import fused_triton
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 
 PAGE = 16
 

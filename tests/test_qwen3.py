@@ -19,7 +19,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 from shared.model.loader import UnsupportedModel, layer_windows, load_hf_config
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LlamaWeights

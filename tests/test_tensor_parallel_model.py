@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from shared.kv.heads import check_tensor_parallel, kv_heads_of
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
-from shared.model.llama import load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
 from shared.model.tensor_parallel import TensorParallel, shard_weights
 from shared.model.weights import LayerWeights, LlamaWeights
 from tests.stack import free_port

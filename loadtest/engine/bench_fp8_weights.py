@@ -42,7 +42,8 @@ from services.decode.cuda_graphs import GraphedDecode
 from shared.kv.pages import PageAllocator, pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.model.linear_choice import time_per_call_ms
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token
 from shared.model.weights import QUANTIZED
 

@@ -40,7 +40,8 @@ from loadtest.lib.report import emit
 from shared.kv.pages import pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.model import presets
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 from shared.model.loader import resolve_checkpoint
 from shared.model.tokenizer import load_tokenizer
 

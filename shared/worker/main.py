@@ -18,7 +18,8 @@ from shared.kernels import flashinfer_prefill
 from shared.kernels.device import select_device
 from shared.model import attention
 from shared.model.fingerprint import model_fingerprint
-from shared.model.llama import PagedLlama, load_paged_llama
+from shared.model.from_checkpoint import load_paged_llama
+from shared.model.llama import PagedLlama
 from shared.model.tensor_parallel import SINGLE, TensorParallel, check_shardable
 from shared.model.loader import eos_token_ids, load_hf_config, resolve_checkpoint
 from shared.model.sampling import FinishCheck
