@@ -112,11 +112,11 @@ class LinearChooser:
 
     def _apply_fp8(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None,
                    scale: torch.Tensor) -> torch.Tensor:
-        rows, quantized = _gemv_rows(x)
-        choice = self.choice(x, weight, scale) if gemv_triton.supports(rows, weight, scale) else None
-        if choice is None or not (choice.use_gemv or len(rows) in self.gemv_rows):
+        gemv_x, quantized = _gemv_input(x)
+        choice = self.choice(x, weight, scale) if gemv_triton.supports(gemv_x, weight, scale) else None
+        if choice is None or not (choice.use_gemv or len(gemv_x) in self.gemv_rows):
             return fp8_linear(x, weight, scale, bias)
-        out = gemv_triton.gemv(rows, weight, choice.gemv_config, weight_scale=scale, **quantized)
+        out = gemv_triton.gemv(gemv_x, weight, choice.gemv_config, weight_scale=scale, **quantized)
         return out if bias is None else out + bias
 
     def uses_cublas(self, rows: int) -> bool:
@@ -129,7 +129,7 @@ class LinearChooser:
         """The choice for this shape, timed at its first call; None when that call is in a capture. Rows
         quantized before (Fp8Rows) share the key of the same rows unquantized: either way the choice is
         between the GEMV's W8A8 and torch._scaled_mm for that shape."""
-        rows = len(_gemv_rows(x)[0])
+        rows = len(_gemv_input(x)[0])
         key = (rows, *weight.shape, weight.dtype)
         choice = self.choices.get(key)
         if choice is None:
@@ -141,23 +141,23 @@ class LinearChooser:
         return choice
 
     def _time_all(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor | None) -> Choice:
-        rows, quantized = _gemv_rows(x)
-        device = rows.device.index
-        configs = gemv_triton.usable_configs(len(rows), *weight.shape, gemv_triton.num_sms(device),
+        gemv_x, quantized = _gemv_input(x)
+        rows, device = len(gemv_x), gemv_x.device.index
+        configs = gemv_triton.usable_configs(rows, *weight.shape, gemv_triton.num_sms(device),
                                              gemv_triton.shared_memory_per_program(device), weight.element_size(),
-                                             rows.element_size())
+                                             gemv_x.element_size())
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
-        elif len(rows) > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
+        elif rows > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
             candidates = {"cublas": lambda w: fp8_linear(x, w, scale)}
         else:  # weight-only: there is no library product of bf16 rows with FP8 weights
             candidates = {}
         for i, config in enumerate(configs):
-            candidates[i] = functools.partial(gemv_triton.gemv, rows, config=config, weight_scale=scale, **quantized)
+            candidates[i] = functools.partial(gemv_triton.gemv, gemv_x, config=config, weight_scale=scale, **quantized)
         times = time_per_call_ms(candidates, weight)
         best = fastest_config(configs, [times[i] for i in range(len(configs))])
         cublas_ms = times.get("cublas", math.nan)
-        choice = Choice(len(rows), *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
+        choice = Choice(rows, *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
                         use_gemv=not math.isfinite(cublas_ms) or prefer_gemv(cublas_ms, times[best], self.mode))
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
                  cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
@@ -166,7 +166,7 @@ class LinearChooser:
         return choice
 
 
-def _gemv_rows(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, dict]:
+def _gemv_input(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, dict]:
     """The rows the GEMV reads, and the arguments that say they come quantized (gemv_triton.gemv)."""
     if isinstance(x, Fp8Rows):
         return x.values, {"x_scale": x.scale, "out_dtype": x.dtype}
