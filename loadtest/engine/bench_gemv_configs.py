@@ -8,7 +8,8 @@ Llama-3.1-8B weight shape, timed as the decode's LinearChooser times its candida
 in a CUDA graph, weights rotated past L2). In the same run: cuBLAS on the same shape in bf16 (the
 baseline), and the floor, the weight's bytes over the device's copy bandwidth (bytes read +
 written per second of a 4 GiB device-to-device copy). --weights fp8 sweeps float8_e4m3 weights
-with their per-channel scales (model.quantization = "fp8", bf16 x).
+with their per-channel scales (model.quantization = "fp8"): bf16 x up to 16 rows, past them x
+quantized per row before the timing, as the decode's norms and SiLU hand it over (W8A8).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from loadtest.lib.report import emit
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import triton
 from shared.model.linear_choice import time_per_call_ms
-from shared.model.quantization import quantize_weight
+from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token, quantize_weight
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -69,14 +70,17 @@ def sweep(rows: int, fp8: bool, top: int, bandwidth_gbs: float) -> list[dict]:
             continue  # the lm_head stays bf16 (shared/model/quantization.py)
         weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        shared_memory = gemv_triton.shared_memory_per_program(torch.cuda.current_device())
-        usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
-                  and gemv_triton.fits_shared_memory(c, shared_memory, 1 if fp8 else 2, 2)]
         times = time_per_call_ms({"cublas": functools.partial(F.linear, x)}, weight)
-        scale = None
+        scale, quantized_rows = None, {}
         if fp8:
             weight, scale = quantize_weight(weight)
-        candidates = {i: functools.partial(gemv_triton.gemv, x, config=c, weight_scale=scale)
+            if rows > WEIGHT_ONLY_ROWS:
+                x_fp8, x_scale = quantize_per_token(x)
+                x, quantized_rows = x_fp8, {"x_scale": x_scale, "out_dtype": torch.bfloat16}
+        shared_memory = gemv_triton.shared_memory_per_program(torch.cuda.current_device())
+        usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
+                  and gemv_triton.fits_shared_memory(c, shared_memory, weight.element_size(), x.element_size())]
+        candidates = {i: functools.partial(gemv_triton.gemv, x, config=c, weight_scale=scale, **quantized_rows)
                       for i, c in enumerate(usable)}
         times |= time_per_call_ms(candidates, weight)
         ranked = sorted(range(len(usable)), key=times.__getitem__)[:top]
