@@ -20,7 +20,7 @@ from loadtest.lib.model_costs import (
     prefill_flops,
     weight_bytes_per_step,
 )
-from loadtest.stack.bench_long_prompt import prompt_report, prompts_at_once
+from loadtest.stack.bench_long_prompt import prompt_report, send_in_turn
 from tests.stack import REPO
 
 
@@ -107,8 +107,11 @@ def test_the_decode_of_concurrent_requests_is_timed_while_every_one_decodes(chec
 
 @pytest.mark.e2e
 def test_prompts_sent_at_once_all_come_back_whole(stack):
-    """The concurrent mode's client against the session's stack: every stream complete, each its own."""
+    """The benchmark's client against the session's stack, one channel for a warm-up and two batches:
+    every stream complete, each its own."""
     prompts = [list(range(10, 60)), list(range(70, 130)), list(range(5, 45))]
-    records = asyncio.run(prompts_at_once(stack.address, prompts, 6, 120))
-    assert [record.tokens for record in records] == [6, 6, 6] and all(record.ok for record in records)
-    assert len({tuple(record.token_ids) for record in records}) == 3
+    batches = asyncio.run(send_in_turn(stack.address, list(range(3, 20)), [prompts, prompts[:1]], 6, 120))
+    assert [[record.tokens for record in batch] for batch in batches] == [[6, 6, 6], [6]]
+    assert all(record.ok for batch in batches for record in batch)
+    assert len({tuple(record.token_ids) for record in batches[0]}) == 3
+    assert batches[1][0].token_ids == batches[0][0].token_ids  # the same prompt, greedy

@@ -119,12 +119,21 @@ def stack_settings(args, pages: int) -> dict[str, str]:
     }
 
 
-async def prompts_at_once(address: str, prompts: list[list[int]], output_tokens: int,
-                          timeout_s: float) -> list[StreamRecord]:
+async def send_in_turn(address: str, warm: list[int] | None, batches: list[list[list[int]]], output_tokens: int,
+                       timeout_s: float) -> list[list[StreamRecord]]:
+    """The warm-up prompt, then each batch of prompts at once, the next when it is done, all over one
+    channel: the connection is open before the measured calls, as a serving client's is (a channel
+    per call put its connection's set-up into every time to first token)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return list(await asyncio.gather(*(generate_or_raise(stub, prompt, output_tokens, timeout_s, f"bench-{i}")
-                                           for i, prompt in enumerate(prompts))))
+        if warm:
+            await prompts_at_once(stub, [warm], min(3, output_tokens), timeout_s)
+        return [await prompts_at_once(stub, prompts, output_tokens, timeout_s) for prompts in batches]
+
+
+async def prompts_at_once(stub, prompts: list[list[int]], output_tokens: int, timeout_s: float) -> list[StreamRecord]:
+    return list(await asyncio.gather(*(generate_or_raise(stub, prompt, output_tokens, timeout_s, f"bench-{i}")
+                                       for i, prompt in enumerate(prompts))))
 
 
 def prefill_report(record: StreamRecord, model: PagedLlama, tokens: int, rates: dict) -> dict:
@@ -209,25 +218,21 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     page_size = KvConfig.page_size
     pages = args.kv_pages or args.concurrency * decode_pages_needed(max(args.tokens), args.output_tokens, page_size)
+    model = model_shape(resolve_checkpoint(args.model, MODEL_CACHE_DIR), dtype, args.quantization)
     rng = random.Random(0)
-    records = []
+    warm = [rng.randrange(model.vocab_size) for _ in range(args.warmup_tokens)]
+    batches = [[[rng.randrange(model.vocab_size) for _ in range(tokens)] for _ in range(args.concurrency)]
+               for tokens in args.tokens]
     with tempfile.TemporaryDirectory() as workdir, LocalStack(Path(workdir), MODEL_CACHE_DIR,
                                                               start_timeout_s=args.start_timeout_s,
                                                               **stack_settings(args, pages)) as stack:
-        model = model_shape(resolve_checkpoint(args.model, MODEL_CACHE_DIR), dtype, args.quantization)
-        vocab = model.vocab_size
-        if args.warmup_tokens:
-            warm = [rng.randrange(vocab) for _ in range(args.warmup_tokens)]
-            asyncio.run(prompts_at_once(stack.address, [warm], min(3, args.output_tokens), args.request_timeout_s))
-        for tokens in args.tokens:
-            prompts = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(args.concurrency)]
-            try:
-                records.append(asyncio.run(prompts_at_once(stack.address, prompts, args.output_tokens,
-                                                           args.request_timeout_s)))
-            except RuntimeError:  # the services' logs go with the work folder: their last lines say why
-                for name in stack.processes:
-                    print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
-                raise
+        try:
+            records = asyncio.run(send_in_turn(stack.address, warm, batches, args.output_tokens,
+                                               args.request_timeout_s))
+        except RuntimeError:  # the services' logs go with the work folder: their last lines say why
+            for name in stack.processes:
+                print(f"--- the end of {name}'s log\n{stack.tail(name, 60)}", file=sys.stderr)
+            raise
     kv_bytes = kv_token_bytes(model, args.kv_dtype, page_size)
     return {
         "model": args.model, "device": args.device, "quantization": args.quantization, "kv_dtype": args.kv_dtype,
