@@ -39,7 +39,9 @@ RANK_VARIABLE = "PDSERVE_TP_RANK"
 STORE_VARIABLE = "PDSERVE_TP_STORE"  # host:port of rank 0's TCPStore
 STOP = "stop"
 TICK = "tick"
-CHILD_EXIT_S = 10.0  # how long rank 0 waits for its followers to exit after telling them to stop
+# How long rank 0 waits for its followers, all of them together, to exit after telling them to stop:
+# one deadline, so that a worker's way out stays within its supervisor's grace whatever its ranks.
+CHILD_EXIT_S = 10.0
 
 
 def own_rank() -> int:
@@ -128,9 +130,10 @@ class RankGroup:
                 self.lead(STOP)
             except RankLost:
                 pass  # a follower is gone already: the others fail their next collective and exit
+            deadline = time.monotonic() + CHILD_EXIT_S
             for child in self.children:
                 try:
-                    child.wait(CHILD_EXIT_S)
+                    child.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     child.kill()
                     child.wait()
