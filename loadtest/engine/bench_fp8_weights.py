@@ -60,10 +60,6 @@ def quantization_apart(model: PagedLlama):
         model.fp8_rows_fused = True
 
 
-def fp8_weights(model: PagedLlama) -> bool:
-    return model.layers[0].qkv_scale is not None
-
-
 def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float) -> list[dict]:
     pages = max(batches) * pages_for(context + PAGE_SIZE, PAGE_SIZE) + 1
     pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE), "cuda")
@@ -85,7 +81,7 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
         result = {"batch": batch, "context": context, "step_ms_p50": step_ms, "floor_ms": floor_ms,
                   "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
                   "weight_gb_per_step": weights / 1e9}
-        if fp8_weights(model) and batch > WEIGHT_ONLY_ROWS:
+        if model.weights.quantization == "fp8" and batch > WEIGHT_ONLY_ROWS:
             with quantization_apart(model):
                 apart_ms, apart_logits = step(batch)
             result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": step_ms / apart_ms,
@@ -108,7 +104,7 @@ def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops
     bound = prefill_bound_s(model, tokens, bf16_tflops, fp8_tflops)
     result = {"tokens": tokens, "ms_p50": ms, "bound_ms": bound["bound_s"] * 1e3,
               "ratio_to_bound": ms / (bound["bound_s"] * 1e3), **bound}
-    if fp8_weights(model):
+    if model.weights.quantization == "fp8":
         with quantization_apart(model):
             apart_ms = prompt_ms("apart")
         result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": ms / apart_ms,
