@@ -16,6 +16,9 @@ runs as the workers run it:
 - with FP8 weights, the prefill and the steps of more than 16 rows again with the activations
   quantized by a kernel of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU
   wrote them in FP8): the time, and whether the logits are equal to the fused way's;
+- with FP8 weights, the prefill again with fast accumulation (quantization.fast_accumulation): the
+  time, and its last-position logits against the default's (largest difference, beside the logits'
+  spread, and whether the argmax is the same);
 - each matmul of a layer and the lm_head alone at --linear-rows rows, as the decode step runs it
   (PagedLlama.linears, timed as shared/model/linear_choice.py times: graphed, the weight cold in
   L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
@@ -42,6 +45,7 @@ from services.decode.cuda_graphs import GraphedDecode
 from shared.kv.pages import PageAllocator, pages_for
 from shared.kv.pool import allocate_local_pool
 from shared.model.linear_choice import time_per_call_ms
+from shared.model import quantization
 from shared.model.from_checkpoint import load_paged_llama
 from shared.model.llama import PagedLlama
 from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token
@@ -58,6 +62,16 @@ def quantization_apart(model: PagedLlama):
         yield
     finally:
         model.fp8_rows_fused = True
+
+
+@contextlib.contextmanager
+def fast_accumulation():
+    """torch._scaled_mm's products without the periodic promotion to fp32."""
+    quantization.fast_accumulation = True
+    try:
+        yield
+    finally:
+        quantization.fast_accumulation = False
 
 
 def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float) -> list[dict]:
@@ -107,8 +121,14 @@ def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops
     if model.weights.quantization == "fp8":
         with quantization_apart(model):
             apart_ms = prompt_ms("apart")
+        with fast_accumulation():
+            fast_ms = prompt_ms("fast")
+        fast, default = logits["fast"].float(), logits["fused"].float()
         result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": ms / apart_ms,
-                   "logits_equal_to_apart": bool(torch.equal(logits["fused"], logits["apart"]))}
+                   "logits_equal_to_apart": bool(torch.equal(logits["fused"], logits["apart"])),
+                   "fast_accumulation_ms_p50": fast_ms, "fast_over_default": fast_ms / ms,
+                   "fast_logits_max_abs_diff": (fast - default).abs().max().item(), "logits_std": default.std().item(),
+                   "fast_same_argmax": bool(fast.argmax() == default.argmax())}
     return result
 
 

@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, quantize_rows
 from shared.kernels.gemv_triton import WEIGHT_ONLY_ROWS
 
+# torch._scaled_mm's use_fast_accum: Hopper's FP8 MMA without its periodic promotion of the sums to
+# fp32, as vLLM's CUTLASS FP8 kernels for sm90 run. Off until bench_fp8_weights has timed it and
+# compared its logits with these (it flips this for its run).
+fast_accumulation = False
+
 
 class Fp8Rows(NamedTuple):
     """Activations quantized per token by the kernel that made them (shared/kernels/fused_triton.py's
@@ -65,7 +70,7 @@ def quantized_product(x: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor) -> 
     """Both operands in FP8: on the GPU's FP8 tensor cores, on the CPU dequantized in fp32."""
     if x.values.is_cuda:
         return torch._scaled_mm(x.values, weight.t(), scale_a=x.scale, scale_b=scale[None, :],  # noqa: SLF001
-                                out_dtype=x.dtype)
+                                out_dtype=x.dtype, use_fast_accum=fast_accumulation)
     return (F.linear(x.values.float(), weight.float()) * x.scale * scale).to(x.dtype)
 
 
