@@ -1,15 +1,15 @@
 """FP8 weights against bf16 on one GPU, in one run (JSON on stdout).
 
     python -m loadtest.engine.bench_fp8_weights [--model random:llama-3.1-8b] [--quantizations none,fp8]
-                                                [--batches 1,64] [--context 1024] [--prefill 8192]
-                                                [--linear-rows 1,64] [--out FILE]
+                                                [--batches 1,64] [--context 1024] [--kv-dtypes bfloat16]
+                                                [--prefill 8192] [--linear-rows 1,64] [--out FILE]
 
 Measured in the same run: the copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm,
 a scale per row and per column, 8192^3). Each quantization (model.quantization) of the model then
 runs as the workers run it:
 - the decode step, one CUDA graph replay (services/decode/cuda_graphs.py), at each batch size with
-  every request at --context tokens: p50 of 100, beside its floor, the weight and KV bytes it reads
-  at the copy bandwidth;
+  every request at --context tokens, its pages in each of --kv-dtypes (kv.dtype): p50 of 100, beside
+  its floor, the weight and KV bytes it reads at the copy bandwidth;
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
   attention's at the bf16 rate;
@@ -24,7 +24,8 @@ runs as the workers run it:
   L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
   its two parts, the activations' quantization and torch._scaled_mm.
 The comparison the issue asks for closes the report: FP8 against bf16 for the batch-1 step, the
-largest batch's tokens per second and the prefill.
+largest batch's tokens per second and the prefill, each FP8 step against the bf16 weights' step
+with bf16 pages (for quantized pages too, what a deployment that quantizes both would gain).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def fast_accumulation():
         quantization.fast_accumulation = False
 
 
-def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float) -> list[dict]:
+def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float,
+                 kv_dtype: str = "bfloat16") -> list[dict]:
     pages = max(batches) * pages_for(context + PAGE_SIZE, PAGE_SIZE) + 1
-    pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE), "cuda")
-    weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, "bfloat16", PAGE_SIZE)
+    pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE, kv_dtype), "cuda")
+    weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, kv_dtype, PAGE_SIZE)
 
     def step(batch: int) -> tuple[float, torch.Tensor]:
         """The graphed step's p50 and its logits (the graph built and captured as the model is set now)."""
@@ -92,7 +94,8 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
     for batch in batches:
         step_ms, logits = step(batch)
         floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
-        result = {"batch": batch, "context": context, "step_ms_p50": step_ms, "floor_ms": floor_ms,
+        result = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "step_ms_p50": step_ms,
+                  "floor_ms": floor_ms,
                   "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
                   "weight_gb_per_step": weights / 1e9}
         if model.weights.quantization == "fp8" and batch > WEIGHT_ONLY_ROWS:
@@ -169,18 +172,21 @@ def main() -> None:
     parser.add_argument("--quantizations", default="none,fp8")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--kv-dtypes", default="bfloat16", help="the decode's pages (kv.dtype), comma-separated")
     parser.add_argument("--prefill", type=int, default=8192, help="prompt tokens; 0 skips the prefill")
     parser.add_argument("--linear-rows", default="1,64", help="rows of the per-matmul timing; empty skips it")
     parser.add_argument("--out")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    kv_dtypes = args.kv_dtypes.split(",")
     bandwidth, bf16_rate, fp8_rate = copy_bandwidth_gbs(), matmul_tflops(), fp8_matmul_tflops()
     report = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": bandwidth, "bf16_matmul_tflops": bf16_rate, "fp8_matmul_tflops": fp8_rate, "runs": {}}
     for quantization in args.quantizations.split(","):
         model = load_paged_llama(args.model, "bfloat16", "cuda", quantization)
         run = {"memory_gib": torch.cuda.memory_allocated() / (1 << 30),
-               "decode": bench_decode(model, batches, args.context, bandwidth)}
+               "decode": [row for kv_dtype in kv_dtypes
+                          for row in bench_decode(model, batches, args.context, bandwidth, kv_dtype)]}
         if args.prefill:
             run["prefill"] = bench_prefill(model, args.prefill, bf16_rate, fp8_rate)
         if args.linear_rows:
@@ -191,13 +197,26 @@ def main() -> None:
         torch.cuda.empty_cache()
     runs = report["runs"]
     if {"none", "fp8"} <= set(runs):
-        ours, theirs = runs["fp8"], runs["none"]
-        report["fp8_against_bf16"] = {
-            **{f"batch_{a['batch']}_step": a["step_ms_p50"] / b["step_ms_p50"]
-               for a, b in zip(ours["decode"], theirs["decode"])},
-            "largest_batch_tokens_per_s": ours["decode"][-1]["tokens_per_s"] / theirs["decode"][-1]["tokens_per_s"],
-            **({"prefill": ours["prefill"]["ms_p50"] / theirs["prefill"]["ms_p50"]} if args.prefill else {})}
+        report["fp8_against_bf16"] = fp8_against_bf16(runs["fp8"], runs["none"], kv_dtypes, batches)
     emit(report, args.out)
+
+
+def fp8_against_bf16(ours: dict, theirs: dict, kv_dtypes: list[str], batches: list[int]) -> dict:
+    """FP8's step against bf16's with bf16 pages (or the first kv.dtype run) at each batch, its largest
+    batch's tokens per second, and the prefill; rows of quantized pages carry their kv.dtype in the key."""
+    baseline_kv = "bfloat16" if "bfloat16" in kv_dtypes else kv_dtypes[0]
+    base = {row["batch"]: row for row in theirs["decode"] if row["kv_dtype"] == baseline_kv}
+    comparison = {}
+    for kv_dtype in kv_dtypes:
+        rows = {row["batch"]: row for row in ours["decode"] if row["kv_dtype"] == kv_dtype}
+        pages = "" if kv_dtype == baseline_kv else f"_{kv_dtype}_pages"
+        comparison |= {f"batch_{batch}_step{pages}": rows[batch]["step_ms_p50"] / base[batch]["step_ms_p50"]
+                       for batch in batches}
+        largest = max(batches)
+        comparison[f"largest_batch_tokens_per_s{pages}"] = rows[largest]["tokens_per_s"] / base[largest]["tokens_per_s"]
+    if "prefill" in ours:
+        comparison["prefill"] = ours["prefill"]["ms_p50"] / theirs["prefill"]["ms_p50"]
+    return comparison
 
 
 if __name__ == "__main__":
