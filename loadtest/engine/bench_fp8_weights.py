@@ -95,8 +95,7 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
         step_ms, logits = step(batch)
         floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
         result = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "step_ms_p50": step_ms,
-                  "floor_ms": floor_ms,
-                  "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
+                  "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
                   "weight_gb_per_step": weights / 1e9}
         if model.weights.quantization == "fp8" and batch > WEIGHT_ONLY_ROWS:
             with quantization_apart(model):
@@ -206,13 +205,12 @@ def fp8_against_bf16(ours: dict, theirs: dict, kv_dtypes: list[str], batches: li
     batch's tokens per second, and the prefill; rows of quantized pages carry their kv.dtype in the key."""
     baseline_kv = "bfloat16" if "bfloat16" in kv_dtypes else kv_dtypes[0]
     base = {row["batch"]: row for row in theirs["decode"] if row["kv_dtype"] == baseline_kv}
-    comparison = {}
+    comparison, largest = {}, max(batches)
     for kv_dtype in kv_dtypes:
         rows = {row["batch"]: row for row in ours["decode"] if row["kv_dtype"] == kv_dtype}
         pages = "" if kv_dtype == baseline_kv else f"_{kv_dtype}_pages"
         comparison |= {f"batch_{batch}_step{pages}": rows[batch]["step_ms_p50"] / base[batch]["step_ms_p50"]
                        for batch in batches}
-        largest = max(batches)
         comparison[f"largest_batch_tokens_per_s{pages}"] = rows[largest]["tokens_per_s"] / base[largest]["tokens_per_s"]
     if "prefill" in ours:
         comparison["prefill"] = ours["prefill"]["ms_p50"] / theirs["prefill"]["ms_p50"]
