@@ -27,11 +27,6 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
   and flashinfer_fp8_ungrouped: that with each KV head repeated for its query heads, the two
   things FlashInfer's own tests of the kernel do that flashinfer_fp8 does not (its bf16 output
   was wrong by as much as the output: docs/BENCHMARKS.md);
-- cudnn_fp8: cuDNN's FP8 fused attention (loadtest/engine/cudnn_fp8_attention.py), where the
-  cudnn-frontend package is installed and the GPU is sm_90 or newer: q, k and v quantized in the
-  call with one scale per tensor (cuDNN's FP8 attention takes no per-head scales), the
-  probabilities scaled by 448 into FP8, the output bf16; cudnn_fp8_fp8_out: with an FP8 output,
-  dequantized; cudnn_fp8_kernel: the kernel alone, on inputs quantized before the timing;
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
@@ -56,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from loadtest.engine import cudnn_fp8_attention
 from loadtest.lib.device_rates import GIB, cuda_time_ms, matmul_tflops
 from loadtest.lib.report import emit
 from shared.kernels import flashinfer_prefill
@@ -162,11 +156,6 @@ def fp8_kernel_alone(q, k, v, scale):
     return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, q.dtype)
 
 
-def cudnn_fp8_kernel_alone(q, k, v, scale):
-    (q8, q_descale), (k8, k_descale), (v8, v_descale) = cudnn_fp8_attention.quantized(q, k, v)
-    return cudnn_fp8_attention.quantized_attention(q8, k8, v8, (q_descale, k_descale, v_descale), scale, q.dtype)
-
-
 def v_padded(q, k, v, scale):
     padded = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
     return attention.prefill_attention(q, k, padded, scale)[..., : v.shape[-1]]
@@ -187,11 +176,6 @@ FLASHINFER_WAYS = {
     "flashinfer_fp8_fp16_out": fp8_attention_fp16_out,
     "flashinfer_fp8_ungrouped": fp8_attention_ungrouped,
 }
-CUDNN_FP8_WAYS = {
-    "cudnn_fp8": cudnn_fp8_attention.attention,
-    "cudnn_fp8_fp8_out": functools.partial(cudnn_fp8_attention.attention, out_fp8=True),
-    "cudnn_fp8_kernel": cudnn_fp8_kernel_alone,
-}
 
 
 def ways(shape: Shape) -> dict:
@@ -204,8 +188,6 @@ def ways(shape: Shape) -> dict:
                                   (shape.kv_heads, shape.v_dim)))
     if flashinfer_prefill.accepts(q, k, v):
         named |= FLASHINFER_WAYS
-    if cudnn_fp8_attention.installed() and torch.cuda.get_device_capability()[0] >= 9:
-        named |= CUDNN_FP8_WAYS
     return named | ({"v_padded": v_padded} if shape.v_dim != shape.head_dim else {})
 
 
@@ -312,7 +294,7 @@ def run(args) -> dict:
         report_cases.append(case)
     report = {"benchmark": "prefill attention, one layer", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "flashinfer": flashinfer_version(), "cudnn_frontend": cudnn_fp8_attention.version(),
+              "flashinfer": flashinfer_version(),
               "avoid_recompile": os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE"),
               "shape": {"name": args.shape, "heads": shape.heads, "kv_heads": shape.kv_heads,
                         "head_dim": shape.head_dim, "v_dim": shape.v_dim, "dtype": "bfloat16"},
