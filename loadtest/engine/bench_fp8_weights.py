@@ -101,7 +101,8 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
             with quantization_apart(model):
                 apart_ms, apart_logits = step(batch)
             result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": step_ms / apart_ms,
-                       "logits_equal_to_apart": bool(torch.equal(logits, apart_logits))}
+                       "logits_equal_to_apart": bool(torch.equal(logits, apart_logits)),
+                       "logits_max_abs_diff_to_apart": (logits - apart_logits).abs().max().item()}
         results.append(result)
     return results
 
