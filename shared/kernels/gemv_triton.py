@@ -90,6 +90,12 @@ if triton is not None:
         _config(64, 64, 128, 1, 4, 3),
         _config(64, 64, 128, 2, 4, 3),
         _config(64, 128, 128, 1, 8, 3),
+        # 256 columns a step: the fastest of bench_gemv_configs' W8A8 sweep for every Llama-8B weight at
+        # 32 and 64 rows on an H100 (8-29% faster than the configs above; docs/BENCHMARKS.md).
+        _config(32, 128, 256, 1, 4, 4),
+        _config(32, 64, 256, 2, 4, 4),
+        _config(64, 64, 256, 1, 4, 4),
+        _config(64, 64, 256, 2, 4, 4),
     ]
 
     @triton.jit
