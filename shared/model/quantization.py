@@ -24,8 +24,9 @@ from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, quantize_ro
 from shared.kernels.gemv_triton import WEIGHT_ONLY_ROWS
 
 # torch._scaled_mm's use_fast_accum: Hopper's FP8 MMA without its periodic promotion of the sums to
-# fp32, as vLLM's CUTLASS FP8 kernels for sm90 run. Off until bench_fp8_weights has timed it and
-# compared its logits with these (it flips this for its run).
+# fp32, as vLLM's CUTLASS FP8 kernels for sm90 run. Off: on an H100 it made the 8K prefill 7% faster
+# but moved the last position's logits by up to 1.7 of their standard deviations and changed the
+# argmax (docs/BENCHMARKS.md). bench_fp8_weights turns it on for its own comparison.
 fast_accumulation = False
 
 
