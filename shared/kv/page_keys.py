@@ -22,7 +22,7 @@ SALT_PERSON = b"pdserve-salt"  # BLAKE2b's personalization: a salt's hash is nev
 def page_keys(token_ids: list[int], page_size: int, salt: str = "") -> list[str]:
     # The whole prompt packed once, each page a slice of it: a 512K-token prompt has 32K pages, and
     # its keys are on the critical path of the router and of the prefill.
-    tokens, page_bytes = memoryview(array.array("q", token_ids).tobytes()), 8 * page_size
+    tokens, page_bytes = memoryview(array.array("q", token_ids)).cast("B"), 8 * page_size
     keys, parent = [], _chain_start(salt)
     for start in range(0, len(tokens) - page_bytes + 1, page_bytes):
         parent = hashlib.blake2b(parent + tokens[start:start + page_bytes], digest_size=DIGEST_BYTES).digest()
