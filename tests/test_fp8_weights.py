@@ -1,4 +1,4 @@
-"""FP8 weights on the CPU: the quantization, both forms of the product against float references, a
+"""FP8 weights on the CPU: the quantization, the product against float references, a
 model quantized at load against the same model stored as an FP8 checkpoint, and the fingerprint."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from shared.model.from_checkpoint import load_paged_llama
 from shared.model.quantization import (
     FP8,
     FP8_MAX,
-    WEIGHT_ONLY_ROWS,
     Fp8Rows,
     fp8_linear,
     quantize_per_token,
@@ -40,20 +39,17 @@ def test_a_weight_quantizes_per_channel_within_e4m3s_rounding():
     assert not back[5].any()
 
 
-@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
 def test_the_product_equals_its_float_reference(rows):
-    """Up to WEIGHT_ONLY_ROWS rows the activations stay unquantized; beyond, each row is quantized
-    with its own scale, and the product is that of the dequantized operands."""
+    """Whatever the batch, each row is quantized with its own scale, and the product is that of the
+    dequantized operands."""
     torch.manual_seed(0)
     x, weight, bias = torch.randn(rows, 128), torch.randn(96, 128), torch.randn(96)
     quantized, scale = quantize_weight(weight)
     dequantized = quantized.double() * scale.double()[:, None]
-    if rows > WEIGHT_ONLY_ROWS:
-        x_fp8, x_scale = quantize_per_token(x)
-        x_ref = x_fp8.double() * x_scale.double()
-        assert (x_ref - x.double()).abs().max() > 0, "the activations were quantized"
-    else:
-        x_ref = x.double()
+    x_fp8, x_scale = quantize_per_token(x)
+    x_ref = x_fp8.double() * x_scale.double()
+    assert (x_ref - x.double()).abs().max() > 0, "the activations were quantized"
     expected = x_ref @ dequantized.T + bias.double()
     torch.testing.assert_close(fp8_linear(x, quantized, scale, bias).double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -64,11 +60,11 @@ def test_rows_quantized_by_the_kernel_before_give_the_same_product():
     torch.manual_seed(0)
     quantized, scale = quantize_weight(torch.randn(96, 128))
     bias = torch.randn(96, dtype=torch.bfloat16)
-    for rows in (WEIGHT_ONLY_ROWS + 1, 40):
+    for rows in (1, 17, 40):
         x = torch.randn(rows, 128, dtype=torch.bfloat16)
         given = fp8_linear(Fp8Rows(*quantize_per_token(x), torch.bfloat16), quantized, scale, bias)
         assert given.dtype == torch.bfloat16 and torch.equal(given, fp8_linear(x, quantized, scale, bias))
-    x = torch.randn(2, 128, dtype=torch.bfloat16)  # rows the product would not quantize: quantized all the same
+    x = torch.randn(2, 128, dtype=torch.bfloat16)  # the product of the dequantized operands, rounded once
     expected = (F.linear(quantize_per_token(x)[0].float(), quantized.float()) * quantize_per_token(x)[1] * scale)
     torch.testing.assert_close(fp8_linear(Fp8Rows(*quantize_per_token(x), torch.bfloat16), quantized, scale),
                                expected.bfloat16(), rtol=0, atol=0)
@@ -202,9 +198,9 @@ def test_the_triton_row_quantization_equals_pytorchs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 64, 8192])
 def test_the_gpus_products_equal_the_cpus(rows):
-    """Up to 16 rows the decode's chooser runs the FP8 GEMV (its fastest config), beyond it
-    torch._scaled_mm on the FP8 tensor cores; both against the CPU's float computation of the same
-    quantized operands, at bf16's rounding."""
+    """The GPU's product, the FP8 GEMV or torch._scaled_mm as the decode's chooser picks (a prefill's
+    8192 rows: torch._scaled_mm), against the CPU's float computation of the same quantized
+    operands, at bf16's rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from shared.model.linear_choice import LinearChooser
@@ -212,19 +208,16 @@ def test_the_gpus_products_equal_the_cpus(rows):
     torch.manual_seed(0)
     x, weight = torch.randn(rows, 4096, dtype=torch.bfloat16), torch.randn(1024, 4096)
     quantized, scale = quantize_weight(weight)
-    if rows > WEIGHT_ONLY_ROWS:  # the GPU's own quantized activations (its quantization is tested above)
-        x_fp8, x_scale = quantize_per_token(x.cuda())
-        expected = F.linear(x_fp8.float().cpu() * x_scale.cpu(), quantized.float() * scale[:, None])
-    else:
-        expected = fp8_linear(x.float(), quantized, scale)
+    x_fp8, x_scale = quantize_per_token(x.cuda())  # the GPU's own quantization (tested above)
+    expected = F.linear(x_fp8.float().cpu() * x_scale.cpu(), quantized.float() * scale[:, None])
     got = LinearChooser().apply(x.cuda(), quantized.cuda(), scale=scale.cuda())
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().mean()))
 
 
 @pytest.mark.slow
 def test_the_kernels_before_the_products_quantize_as_the_products_would(tmp_path, monkeypatch):
-    """The GPU's fused prefill and decode step (on the CPU, Triton interpreted) with FP8 weights and
-    more than WEIGHT_ONLY_ROWS rows: the norms and SiLU writing their output in FP8
+    """The GPU's fused prefill and decode step (on the CPU, Triton interpreted) with FP8 weights: the
+    norms and SiLU writing their output in FP8
     (PagedLlama.fp8_rows_fused) give the logits and pages that quantizing it in a kernel of its own
     gives, bit for bit. Both ways quantize with the GPU's kernel, quantize_rows, on the CPU too: the
     interpreter's FP8 cast is not PyTorch's (tests/triton_cast.py)."""
@@ -242,7 +235,7 @@ def test_the_kernels_before_the_products_quantize_as_the_products_would(tmp_path
             calls[_name] += 1
             return _kernel(*args)
         monkeypatch.setattr(fused_triton, name, counted)
-    batch = WEIGHT_ONLY_ROWS + 1
+    batch = 3
     page_table = torch.arange(3, 3 + batch, device=device)[:, None]  # a page each, after the prompt's 3
     positions = torch.arange(batch, device=device) % 16
     runs = {}

@@ -5,8 +5,9 @@ shapes. The interpreter's tl.dot multiplies bf16 bit patterns as integers, so th
 through the multiply-add configs; the tensor-core configs are checked in fp32 and fp16 here and in
 bf16 on the GPU, where the config the chooser times fastest also runs at the shapes of Llama-3.1-8B,
 llama-tiny and SmolLM2-135M, and inside the decode step. float8_e4m3fn weights, with a float32
-scale per output channel, run every config against the dequantized weight, here and on the GPU at
-the shape of Llama-3.1-8B's o_proj.
+scale per output channel, run every config with the rows quantized per row (W8A8) against the
+float64 product of the quantized operands, here and on the GPU at the shape of Llama-3.1-8B's
+o_proj, where fp8_linear's own result is the reference too.
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ pytest.importorskip("triton")
 
 from shared.kernels import gemv_triton
 from shared.kernels.fp8_quant_triton import quantize_rows
-from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, WEIGHT_ONLY_ROWS, gemv
+from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, TENSOR_CORE_ROWS, gemv
 from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
 from shared.model.quantization import fp8_linear
 
@@ -36,11 +37,11 @@ H200_SMS = 132
 HOPPER_SHARED_MEMORY = 232448  # bytes a program may have on an H100 or H200
 
 MULTIPLY_ADD = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == 1]
-WIDE = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > WEIGHT_ONLY_ROWS]  # 17 to 64 rows (FP8 weights: W8A8)
-TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == WEIGHT_ONLY_ROWS]
-SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1 and c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+WIDE = [c for c in CONFIGS if c.kwargs["BLOCK_M"] > TENSOR_CORE_ROWS]  # 17 to 64 rows
+TENSOR_CORES = [c for c in CONFIGS if c.kwargs["BLOCK_M"] == TENSOR_CORE_ROWS]
+SPLIT = [c for c in CONFIGS if c.kwargs["SPLIT_K"] > 1 and c.kwargs["BLOCK_M"] <= TENSOR_CORE_ROWS]
 # Multiply-add configs take one row, tensor-core configs up to 16; the wide ones below.
-CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, 8) if rows <= c.kwargs["BLOCK_M"] <= TENSOR_CORE_ROWS]
 # Each wide config at the fewest rows it is timed for and at its full block.
 WIDE_ROWS = [(c, rows) for c in WIDE for rows in (c.kwargs["BLOCK_M"] // 2 + 1, c.kwargs["BLOCK_M"])]
 
@@ -72,9 +73,13 @@ def check(out, x, weight, tol):
 
 
 def check_fp8(out, x, dequantized, tol):
-    """Against the float64 product with the dequantized weight: only the kernel's rounding is left."""
+    """Against the float64 product of the rows quantized as the kernel quantizes them (quantize_rows, as
+    fp8_linear does on a GPU) with the dequantized weight: only the kernel's rounding is left. (The
+    interpreter's float8 cast rounds 124.3 to 64, not 128, where torch's gives 128: so the kernel's own
+    quantization is the reference, not torch's.)"""
     assert out.shape == (x.shape[0], dequantized.shape[0]) and out.dtype == x.dtype
-    torch.testing.assert_close(out.double(), x.double() @ dequantized.T, **tol)
+    x_fp8, x_scale = quantize_rows(x)
+    torch.testing.assert_close(out.double(), (x_fp8.double() * x_scale.double()) @ dequantized.T, **tol)
 
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -107,7 +112,7 @@ def test_bf16_multiply_add(config):
 @pytest.mark.parametrize("config", SPLIT, ids=config_id)
 def test_split_k_at_16_rows(config):
     # K = 448: the last split gets a partial block (split 2) or nothing at all (split 4).
-    x, weight = operands(WEIGHT_ONLY_ROWS, 64, 448, torch.float32, DEVICE)
+    x, weight = operands(TENSOR_CORE_ROWS, 64, 448, torch.float32, DEVICE)
     check(gemv(x, weight, config), x, weight, FP32_TOL)
 
 
@@ -120,55 +125,44 @@ def test_wide_configs_unquantized(config, rows, dtype):
     check(gemv(x, weight, config), x, weight, TOL[dtype])
 
 
-FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, 3, WEIGHT_ONLY_ROWS)
-                   if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+def fp8_rows(config) -> tuple[int, ...]:
+    """Rows to test a config at: one for multiply-add; 1, 3 and 16 for the narrow tensor-core block;
+    the fewest a wide block takes and its full block."""
+    block = config.kwargs["BLOCK_M"]
+    return (1,) if block == 1 else (1, 3, block) if block == TENSOR_CORE_ROWS else (TENSOR_CORE_ROWS + 1, block)
+
+
+FP8_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in fp8_rows(c)]
 FP8_SHAPES = {"even": (96, 256), "partial-rows": (51, 256)}  # 51: no BLOCK_N divides it
 
 
 @pytest.mark.parametrize("config,rows", FP8_CONFIG_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in FP8_CONFIG_ROWS])
 @pytest.mark.parametrize("n,k", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
-def test_every_config_fp8_weight_fp32_x(config, rows, n, k):
+def test_every_config_fp8_weight_quantizes_the_rows(config, rows, n, k):
+    """An FP8 weight's rows are quantized per row (W8A8) at every batch size; on the GPU the result is
+    fp8_linear's too (torch._scaled_mm, the prefill's product)."""
     x, weight, scale, dequantized = fp8_operands(rows, n, k, torch.float32, DEVICE)
-    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP32_TOL)
-
-
-@pytest.mark.parametrize("config", MULTIPLY_ADD, ids=config_id)
-def test_fp8_weight_bf16_x_multiply_add(config):
-    x, weight, scale, dequantized = fp8_operands(1, *FP8_SHAPES["partial-rows"], torch.bfloat16, DEVICE)
-    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, BF16_TOL)
-
-
-@pytest.mark.parametrize("config", TENSOR_CORES, ids=config_id)
-def test_fp8_weight_fp16_x_tensor_cores(config):
-    # The fp8 tile widened to a 16-bit dot, which bf16 cannot show in the interpreter.
-    x, weight, scale, dequantized = fp8_operands(WEIGHT_ONLY_ROWS, *FP8_SHAPES["partial-rows"], torch.float16, DEVICE)
-    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP16_TOL)
-
-
-W8A8_ROWS = [(c, rows) for c in WIDE for rows in (WEIGHT_ONLY_ROWS + 1, c.kwargs["BLOCK_M"])]
-
-
-@pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
-def test_w8a8_configs_compute_fp8_linears_numbers(config, rows):
-    """Past WEIGHT_ONLY_ROWS an FP8 weight's rows are quantized per row (quantize_rows, as fp8_linear quantizes them on
-    a GPU): the product in float64 of those quantized operands, the scales applied after; on the GPU
-    fp8_linear's own result too. (The interpreter's float8 cast rounds 124.3 to 64, not 128, where
-    torch's gives 128: there only the kernel's own quantization is the reference.)"""
-    x, weight, scale, dequantized = fp8_operands(rows, *FP8_SHAPES["partial-rows"], torch.float32, DEVICE)
-    x_fp8, x_scale = quantize_rows(x)
-    expected = (x_fp8.double() * x_scale.double()) @ dequantized.T
     out = gemv(x, weight, config, weight_scale=scale)
-    assert out.shape == expected.shape and out.dtype == x.dtype
-    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+    check_fp8(out, x, dequantized, FP32_TOL)
     if COMPILED_CUDA:
         torch.testing.assert_close(out, fp8_linear(x, weight, scale), **FP16_TOL)
 
 
-@pytest.mark.parametrize("config", WIDE, ids=config_id)
-def test_rows_quantized_before_give_what_the_kernels_own_quantization_gives(config):
-    """Rows the decode's norm or SiLU quantized already (x in FP8 with its scales) take the W8A8 product
-    as they are: the same result as the rows quantized in gemv, bit for bit, in the dtype asked."""
-    rows = WEIGHT_ONLY_ROWS + 3
+@pytest.mark.parametrize("config,dtype", [(MULTIPLY_ADD[0], torch.bfloat16), (TENSOR_CORES[0], torch.float16)],
+                         ids=["multiply-add-bf16", "tensor-cores-fp16"])
+def test_fp8_weight_16_bit_rows(config, dtype):
+    x, weight, scale, dequantized = fp8_operands(1, *FP8_SHAPES["partial-rows"], dtype, DEVICE)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, TOL[dtype])
+
+
+QUANTIZED_BEFORE_ROWS = [(c, 1 if c.kwargs["BLOCK_M"] == 1 else c.kwargs["BLOCK_M"] - 3) for c in CONFIGS]
+
+
+@pytest.mark.parametrize("config,rows", QUANTIZED_BEFORE_ROWS,
+                         ids=[f"{config_id(c)}-rows{r}" for c, r in QUANTIZED_BEFORE_ROWS])
+def test_rows_quantized_before_give_what_the_kernels_own_quantization_gives(config, rows):
+    """Rows the decode's norm or SiLU quantized already (x in FP8 with its scales) take the product as
+    they are: the same result as the rows quantized in gemv, bit for bit, in the dtype asked."""
     x, weight, scale, _ = fp8_operands(rows, *FP8_SHAPES["partial-rows"], torch.float32, DEVICE)
     x_fp8, x_scale = quantize_rows(x)
     out = gemv(x_fp8, weight, config, weight_scale=scale, x_scale=x_scale, out_dtype=torch.float32)
@@ -218,11 +212,11 @@ def test_usable_configs_at_8b_shapes():
     assert any(c.kwargs["SPLIT_K"] > 1 for c in o_proj_one_row), "N = 4096 leaves SMs idle without split-K"
     assert all(c.kwargs["BLOCK_M"] == 16 for c in usable(8, 4096, 14336))
     assert all(c.kwargs["SPLIT_K"] == 1 for c in usable(1, 28672, 4096)), "gate_up has rows enough"
-    for rows in range(1, WEIGHT_ONLY_ROWS + 1):
+    for rows in range(1, TENSOR_CORE_ROWS + 1):
         for n, k in [(96, 64), (576, 576), (128256, 4096)]:
             assert usable(rows, n, k), f"no config for {rows}x{k} @ {n}x{k}"
-            assert all(c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS for c in usable(rows, n, k))
-    for rows in range(WEIGHT_ONLY_ROWS + 1, MAX_ROWS + 1):  # the narrowest wide block that holds them
+            assert all(c.kwargs["BLOCK_M"] <= TENSOR_CORE_ROWS for c in usable(rows, n, k))
+    for rows in range(TENSOR_CORE_ROWS + 1, MAX_ROWS + 1):  # the narrowest wide block that holds them
         for n, k in [(4096, 4096), (6144, 4096), (4096, 14336), (128256, 4096)]:
             assert {c.kwargs["BLOCK_M"] for c in usable(rows, n, k)} == {32 if rows <= 32 else 64}
 
@@ -231,13 +225,13 @@ def test_usable_configs_fit_shared_memory():
     # A program allowed 100 KB: configs whose pipelined tiles need more are not timed, in fp32 more
     # of them than in bf16.
     def usable(weight_bytes, x_bytes):
-        return gemv_triton.usable_configs(WEIGHT_ONLY_ROWS, 4096, 14336, H200_SMS, 100_000, weight_bytes, x_bytes)
+        return gemv_triton.usable_configs(TENSOR_CORE_ROWS, 4096, 14336, H200_SMS, 100_000, weight_bytes, x_bytes)
 
     def needs(config, element_bytes):
         meta = config.kwargs
         return (config.num_stages - 1) * meta["BLOCK_K"] * (meta["BLOCK_N"] + meta["BLOCK_M"]) * element_bytes
 
-    every = gemv_triton.usable_configs(WEIGHT_ONLY_ROWS, 4096, 14336, H200_SMS, HOPPER_SHARED_MEMORY)
+    every = gemv_triton.usable_configs(TENSOR_CORE_ROWS, 4096, 14336, H200_SMS, HOPPER_SHARED_MEMORY)
     for element_bytes in (2, 4):
         kept = {id(c) for c in usable(element_bytes, element_bytes)}
         assert kept == {id(c) for c in every if needs(c, element_bytes) <= 100_000}
@@ -251,7 +245,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="at most 64 rows"):
         gemv(torch.zeros(MAX_ROWS + 1, 256, device=DEVICE), weight, WIDE[-1])
     with pytest.raises(ValueError, match="takes at most 16 rows"):
-        gemv(torch.zeros(WEIGHT_ONLY_ROWS + 1, 256, device=DEVICE), weight, TENSOR_CORES[0])
+        gemv(torch.zeros(TENSOR_CORE_ROWS + 1, 256, device=DEVICE), weight, TENSOR_CORES[0])
     with pytest.raises(ValueError):
         gemv(x, weight.half(), TENSOR_CORES[0])
     with pytest.raises(ValueError):
@@ -348,39 +342,32 @@ def test_small_model_shapes_bf16_cuda(shape, rows):
 @needs_cuda
 @pytest.mark.parametrize("config", MULTIPLY_ADD + TENSOR_CORES + WIDE, ids=config_id)
 def test_every_config_bf16_cuda(config):
-    rows = {1: 1, WEIGHT_ONLY_ROWS: 5}.get(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_M"] - 3)
+    rows = {1: 1, TENSOR_CORE_ROWS: 5}.get(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_M"] - 3)
     x, weight = operands(rows, 4096, 14336, torch.bfloat16, "cuda")
     check(gemv(x, weight, config), x, weight, BF16_TOL)
 
 
-# Weight-only (W8A16) configs; the W8A8 ones quantize the rows: test_w8a8_configs_at_the_8b_shape_cuda.
-FP8_CUDA_CONFIG_ROWS = [(c, rows) for c in CONFIGS for rows in (1, WEIGHT_ONLY_ROWS)
-                        if rows <= c.kwargs["BLOCK_M"] <= WEIGHT_ONLY_ROWS]
+# bf16 rows at each config's rows to test; fp32 and fp16 at the first of them.
+FP8_CUDA_CASES = [(c, rows, dtype) for c in CONFIGS for rows in fp8_rows(c) for dtype in SUPPORTED_DTYPES
+                  if dtype == torch.bfloat16 or rows == fp8_rows(c)[0]]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
-@pytest.mark.parametrize("config,rows", FP8_CUDA_CONFIG_ROWS,
-                         ids=[f"{config_id(c)}-rows{r}" for c, r in FP8_CUDA_CONFIG_ROWS])
-def test_every_config_fp8_weight_cuda(config, rows, dtype):
+@pytest.mark.parametrize("config,rows,dtype", FP8_CUDA_CASES,
+                         ids=[f"{config_id(c)}-rows{r}-{str(d)[6:]}" for c, r, d in FP8_CUDA_CASES])
+def test_every_config_fp8_weight_at_the_8b_shape_cuda(config, rows, dtype):
+    """fp8_linear's numbers (the rows quantized, torch._scaled_mm) for rows in each dtype."""
     x, weight, scale, dequantized = fp8_operands(rows, *LLAMA_8B["o_proj"], dtype, "cuda")
     assert gemv_triton.supports(x, weight, scale)
-    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, TOL[dtype])
+    out = gemv(x, weight, config, weight_scale=scale)
+    check_fp8(out, x, dequantized, TOL[dtype])
+    torch.testing.assert_close(out, fp8_linear(x, weight, scale), **TOL[dtype])
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config,rows", W8A8_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in W8A8_ROWS])
-def test_w8a8_configs_at_the_8b_shape_cuda(config, rows):
-    """bf16 rows past WEIGHT_ONLY_ROWS: fp8_linear's numbers (the rows quantized, torch._scaled_mm)."""
-    x, weight, scale, _ = fp8_operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
-    torch.testing.assert_close(gemv(x, weight, config, weight_scale=scale), fp8_linear(x, weight, scale), **BF16_TOL)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_supports_fp8_weight_only_with_its_scale_cuda():
+def test_supports_fp8_weight_with_its_scale_cuda():
     x, weight, scale, dequantized = fp8_operands(1, 96, 256, torch.bfloat16, "cuda")
     assert gemv_triton.supports(x, weight, scale)
     assert not gemv_triton.supports(x, weight)

@@ -13,7 +13,7 @@ runs as the workers run it:
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
   attention's at the bf16 rate;
-- with FP8 weights, the prefill and the steps of more than 16 rows again with the activations
+- with FP8 weights, the prefill and the steps again with the activations
   quantized by a kernel of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU
   wrote them in FP8): the time, and whether the logits are equal to the fused way's;
 - with FP8 weights, the prefill again with fast accumulation (quantization.fast_accumulation): the
@@ -21,8 +21,8 @@ runs as the workers run it:
   spread, and whether the argmax is the same);
 - each matmul of a layer and the lm_head alone at --linear-rows rows, as the decode step runs it
   (PagedLlama.linears, timed as shared/model/linear_choice.py times: graphed, the weight cold in
-  L2), its weight bytes per second beside the copy bandwidth; with FP8 weights above 16 rows also
-  its two parts, the activations' quantization and torch._scaled_mm.
+  L2), its weight bytes per second beside the copy bandwidth; with FP8 weights also the library's
+  two parts, the activations' quantization and torch._scaled_mm.
 The comparison the issue asks for closes the report: FP8 against bf16 for the batch-1 step, the
 largest batch's tokens per second and the prefill, each FP8 step against the bf16 weights' step
 with bf16 pages (for quantized pages too, what a deployment that quantizes both would gain).
@@ -49,7 +49,7 @@ from shared.model.linear_choice import time_per_call_ms
 from shared.model import quantization
 from shared.model.from_checkpoint import load_paged_llama
 from shared.model.llama import PagedLlama
-from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token
+from shared.model.quantization import quantize_per_token
 from shared.model.weights import QUANTIZED
 
 PAGE_SIZE = 16
@@ -97,7 +97,7 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
         result = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "step_ms_p50": step_ms,
                   "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
                   "weight_gb_per_step": weights / 1e9}
-        if model.weights.quantization == "fp8" and batch > WEIGHT_ONLY_ROWS:
+        if model.weights.quantization == "fp8":
             with quantization_apart(model):
                 apart_ms, apart_logits = step(batch)
             result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": step_ms / apart_ms,
@@ -144,7 +144,7 @@ def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> l
         for name, (weight, scale) in weights.items():
             x = torch.randn(count, weight.shape[1], dtype=model.embed.dtype, device="cuda")
             candidates = {"linear": lambda w, x=x, scale=scale: model.linears.apply(x, w, scale=scale)}
-            if scale is not None and count > WEIGHT_ONLY_ROWS:
+            if scale is not None:
                 x_fp8, x_scale = quantize_per_token(x)
                 candidates["quantize"] = lambda w, x=x: quantize_per_token(x)
                 for fast in (False, True):  # fast accumulation: Hopper's FP8 MMA without its periodic fp32 promotion
@@ -153,13 +153,12 @@ def bench_linears(model: PagedLlama, rows: list[int], bandwidth_gbs: float) -> l
                             x_fp8, w.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype, use_fast_accum=fast))
             times = time_per_call_ms(candidates, weight)
             gbs = weight.numel() * weight.element_size() / (times["linear"] / 1e3) / 1e9
-            # What the decode's chooser timed for the shape: its GEMV (W8A8 past 16 rows) and the library's.
+            # What the decode's chooser timed for the shape: its GEMV and the library's.
             choice = model.linears.choices.get((count, *weight.shape, weight.dtype))
             chosen = {} if choice is None else {"chooser_gemv_us": choice.gemv_ms * 1e3,
+                                                "chooser_library_us": choice.cublas_ms * 1e3,
                                                 "chooser_gemv_config": str(choice.gemv_config),
                                                 "chosen": "gemv" if choice.use_gemv else "library"}
-            if choice is not None and math.isfinite(choice.cublas_ms):  # weight-only rows have no library product
-                chosen["chooser_library_us"] = choice.cublas_ms * 1e3
             results.append({"weight": name, "rows": count, "n": weight.shape[0], "k": weight.shape[1],
                             **{f"{part}_us": ms * 1e3 for part, ms in times.items()}, **chosen,
                             "weight_gbs": gbs, "of_copy": gbs / bandwidth_gbs})

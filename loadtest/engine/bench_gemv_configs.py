@@ -8,8 +8,8 @@ Llama-3.1-8B weight shape, timed as the decode's LinearChooser times its candida
 in a CUDA graph, weights rotated past L2). In the same run: cuBLAS on the same shape in bf16 (the
 baseline), and the floor, the weight's bytes over the device's copy bandwidth (bytes read +
 written per second of a 4 GiB device-to-device copy). --weights fp8 sweeps float8_e4m3 weights
-with their per-channel scales (model.quantization = "fp8"): bf16 x up to 16 rows, past them x
-quantized per row before the timing, as the decode's norms and SiLU hand it over (W8A8).
+with their per-channel scales (model.quantization = "fp8"), x quantized per row before the timing,
+as the decode's norms and SiLU hand it over (W8A8).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from loadtest.lib.report import emit
 from shared.kernels import gemv_triton
 from shared.kernels.triton_support import triton
 from shared.model.linear_choice import time_per_call_ms
-from shared.model.quantization import WEIGHT_ONLY_ROWS, quantize_per_token, quantize_weight
+from shared.model.quantization import quantize_per_token, quantize_weight
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -41,7 +41,7 @@ def grid(rows: int, fp8: bool) -> list:
                               num_warps=warps, num_stages=stages)
                 for (n, k), (warps, stages, split) in itertools.product(blocks, list(tuning))]
 
-    block_m = next(b for b in (gemv_triton.WEIGHT_ONLY_ROWS, 32, gemv_triton.MAX_ROWS) if rows <= b)
+    block_m = next(b for b in (gemv_triton.TENSOR_CORE_ROWS, 32, gemv_triton.MAX_ROWS) if rows <= b)
     if fp8:
         tensor_cores = configs(block_m, [(64, 128), (64, 256), (128, 128), (128, 256), (256, 128)],
                                itertools.product([4, 8], [3, 4], [1, 2, 4]))
@@ -74,9 +74,8 @@ def sweep(rows: int, fp8: bool, top: int, bandwidth_gbs: float) -> list[dict]:
         scale, quantized_rows = None, {}
         if fp8:
             weight, scale = quantize_weight(weight)
-            if rows > WEIGHT_ONLY_ROWS:
-                x_fp8, x_scale = quantize_per_token(x)
-                x, quantized_rows = x_fp8, {"x_scale": x_scale, "out_dtype": torch.bfloat16}
+            x_fp8, x_scale = quantize_per_token(x)
+            x, quantized_rows = x_fp8, {"x_scale": x_scale, "out_dtype": torch.bfloat16}
         shared_memory = gemv_triton.shared_memory_per_program(torch.cuda.current_device())
         usable = [c for c in configs if k >= c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]
                   and gemv_triton.fits_shared_memory(c, shared_memory, weight.element_size(), x.element_size())]

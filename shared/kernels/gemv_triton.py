@@ -19,22 +19,16 @@ shared/model/linear_choice.py times every usable one per shape, as a decode step
 keeps the fastest. Nothing is read on the host, so a call can be captured in a CUDA graph once its
 config has been compiled.
 
-FP8 weights (weight-only quantization, W8A16): weight float8_e4m3fn [N, K] with weight_scale
-float32 [N], one scale per output channel, and x in any of SUPPORTED_DTYPES; out = x @ (weight *
-weight_scale[:, None])^T, accumulated in fp32 and rounded once to x's dtype. The weight is half the
-bytes of bf16, streamed by the same configs (the multiply-add ones in 16-byte loads of 16 fp8
-elements). Tiles widen in registers, exactly (e4m3 fits in bf16, fp16 and fp32): to fp32 for the
-multiply-add, to x's dtype for tl.dot. The scale multiplies each program's fp32 sums once, after
-its K loop.
-
-FP8 weights and 17 to 64 rows (W8A8): a batch past the weight-only products, where the model's
-numbers are those of shared/model/quantization.fp8_linear: the rows quantized to float8_e4m3 with
-a scale each (fp8_quant_triton.quantize_rows), both operands into the FP8 tensor cores with the
-weight's rows as the MMA's 64-row side, and the two scales on each output after the K loop. This is
-what torch._scaled_mm computes there, but reading the weight as a GEMV does: the decode times both
-(shared/model/linear_choice.py) and keeps the faster. Rows that the kernel before quantized already
-(the decode's norms and SiLU: shared/kernels/fused_triton.py's _fp8 forms) come with their scales
-and go in as they are.
+FP8 weights (W8A8, the numbers of shared/model/quantization.fp8_linear at every batch size): weight
+float8_e4m3fn [N, K] with weight_scale float32 [N], one scale per output channel; the rows quantized
+to float8_e4m3 with a scale each (fp8_quant_triton.quantize_rows), unless the kernel before quantized
+them already (the decode's norms and SiLU: shared/kernels/fused_triton.py's _fp8 forms), and the two
+scales on each output after the K loop. The tensor-core configs put both operands into the FP8 MMA
+(fp32 accumulators) with the weight's rows as its 64-row side; the multiply-add ones widen both to
+fp32 (exactly: e4m3 fits). This is what torch._scaled_mm computes, but reading the weight as a GEMV
+does: the decode times both (shared/model/linear_choice.py) and keeps the faster. Weight-only FP8
+(bf16 rows) went: its weights widened to bf16 before the MMA, a conversion per element that kept the
+GEMV at 0.41-0.72 of the copy rate on an H200 (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -47,9 +41,8 @@ from shared.kernels.fp8_quant_triton import quantize_rows
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 MAX_ROWS = 64
-# The narrowest tensor-core block; up to this many rows an FP8 weight meets them as they are (W8A16),
-# past it they are quantized per row (W8A8), as shared/model/quantization.fp8_linear does.
-WEIGHT_ONLY_ROWS = 16
+# The narrowest tensor-core block of rows; the wider ones (32, 64) take only what this one cannot.
+TENSOR_CORE_ROWS = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The weight dtype that comes with a per-output-channel weight_scale.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -74,7 +67,7 @@ if triton is not None:
         _config(1, 4, 1024, 1, 4, 3),
         _config(1, 8, 512, 1, 4, 3),
         _config(1, 16, 512, 1, 8, 3),
-        # The same bytes per load for FP8 weights (one byte an element): twice the columns.
+        # The same bytes per load for one-byte weights: twice the columns.
         _config(1, 2, 2048, 1, 4, 3),
         _config(1, 4, 4096, 1, 4, 3),
         _config(1, 8, 1024, 1, 4, 3),
@@ -84,7 +77,11 @@ if triton is not None:
         _config(16, 32, 256, 1, 4, 4),
         _config(16, 64, 128, 2, 4, 4),
         _config(16, 32, 256, 4, 4, 4),
-        # 17 to 64 rows (FP8 weights: W8A8): 32 and 64 rows a block, split-K for the small N.
+        # 256 columns a step, as the wide blocks' fastest below, for FP8 weights' rows up to 16.
+        _config(16, 64, 256, 1, 4, 4),
+        _config(16, 128, 256, 1, 4, 4),
+        _config(16, 64, 256, 2, 4, 4),
+        # 17 to 64 rows: 32 and 64 rows a block, split-K for the small N.
         _config(32, 64, 128, 1, 4, 4),
         _config(32, 64, 128, 2, 4, 4),
         _config(64, 64, 128, 1, 4, 3),
@@ -103,7 +100,7 @@ if triton is not None:
         x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, partial_ptr,
         M, N, K,
         stride_xm, stride_wn, stride_om,
-        DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, X_FP8: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -121,10 +118,9 @@ if triton is not None:
         x_rows = x_ptr + m[:, None] * stride_xm
         row_mask = rows[:, None] < N
         m_mask = m[:, None] < M
-        if HAS_SCALE:
-            # Loaded before the loop, so its latency hides under the weight stream.
+        if FP8:
+            # Loaded before the loop, so their latency hides under the weight stream.
             scale = tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
-        if X_FP8:
             x_scale = tl.load(x_scale_ptr + m, mask=m < M, other=0.0)
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -138,26 +134,19 @@ if triton is not None:
             x = tl.load(x_rows + cols[None, :], mask=m_mask & col_mask, other=0.0)
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)
-            elif X_FP8:
+            elif FP8:
                 acc = tl.dot(w, tl.trans(x), acc=acc)
             else:
-                if HAS_SCALE:
-                    # fp8 widens to x's dtype for the MMA, exactly, by way of fp32: straight to bf16
-                    # compiles to one slow F2F per element (fp16 -> bf16) on sm_90, through fp32 to
-                    # packed conversions and adds on the FMA pipe.
-                    w = w.to(tl.float32).to(x.dtype)
                 acc = tl.dot(w, tl.trans(x), acc=acc, input_precision=DOT_PRECISION)
         if BLOCK_M == 1:
             result = tl.sum(acc, axis=1)[:, None]
         else:
             result = acc
-        if HAS_SCALE:
-            # With split-K each partial is scaled here, before the sum: the scale is per output, so
+        if FP8:
+            # With split-K each partial is scaled here, before the sum: the scales are per output, so
             # the scaled partials add up to the scaled sum (to fp32 rounding), and the sum kernel
             # stays one kernel for both weight formats, with no scale to read.
-            result = result * scale[:, None]
-        if X_FP8:
-            result = result * x_scale[None, :]
+            result = result * scale[:, None] * x_scale[None, :]
         # result is [BLOCK_N, BLOCK_M]: out transposed.
         out_mask = row_mask & (m[None, :] < M)
         if SPLIT_K == 1:
@@ -196,7 +185,7 @@ def usable_configs(rows: int, n: int, k: int, sms: int, shared_memory: int,
     `shared_memory` a program may have (fits_shared_memory)."""
     def usable(config) -> bool:
         meta = config.kwargs
-        if meta["BLOCK_M"] < rows or (meta["BLOCK_M"] > WEIGHT_ONLY_ROWS and meta["BLOCK_M"] // 2 >= rows):
+        if meta["BLOCK_M"] < rows or (meta["BLOCK_M"] > TENSOR_CORE_ROWS and meta["BLOCK_M"] // 2 >= rows):
             return False
         if not fits_shared_memory(config, shared_memory, weight_bytes, x_bytes):
             return False
@@ -221,13 +210,12 @@ def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 def supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
     """Whether gemv takes these on the GPU: CUDA, triton present, at most MAX_ROWS rows, contiguous
     last dims, and a weight in x's float dtype, or in FP8_DTYPE with its float32 [N] weight_scale (x
-    may then be in FP8_DTYPE too, quantized already, past WEIGHT_ONLY_ROWS rows)."""
+    may then be in FP8_DTYPE too, quantized already)."""
     if weight_scale is None:
         weight_fits = weight.dtype == x.dtype
     else:
         weight_fits = weight.dtype == FP8_DTYPE and _scale_fits(weight, weight_scale)
-    x_fits = x.dtype in SUPPORTED_DTYPES or (x.dtype == FP8_DTYPE and weight_scale is not None
-                                             and x.dim() == 2 and x.shape[0] > WEIGHT_ONLY_ROWS)
+    x_fits = x.dtype in SUPPORTED_DTYPES or (x.dtype == FP8_DTYPE and weight_scale is not None)
     return (triton is not None and x.is_cuda and x.dim() == 2 and weight.dim() == 2
             and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
             and weight_fits and x_fits
@@ -268,8 +256,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
          x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= 64, K], weight [N, K] row-major, with one of CONFIGS: a new
     [M, N] in x's dtype. The weight is in x's dtype, or in FP8_DTYPE with weight_scale float32 [N]
-    (then F.linear(x, weight * weight_scale[:, None]); with a config of more than WEIGHT_ONLY_ROWS
-    rows, x quantized per row first, fp8_linear's W8A8, unless it comes quantized: x in FP8_DTYPE
+    (then fp8_linear's W8A8: x quantized per row first, unless it comes quantized, x in FP8_DTYPE
     with its x_scale float32 [M, 1], the result in out_dtype). A config's first call compiles it, so
     it must not come in a CUDA-graph capture."""
     require_triton("gemv")
@@ -281,9 +268,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
         return out
     if config.kwargs["BLOCK_M"] < rows:
         raise ValueError(f"config {config.kwargs} takes at most {config.kwargs['BLOCK_M']} rows, got {rows}")
-    w8a8 = weight_scale is not None and config.kwargs["BLOCK_M"] > WEIGHT_ONLY_ROWS
-    # W8A8: the rows quantized as shared/model/quantization.fp8_linear quantizes them, unless they came so.
-    x_in, x_scale = quantize_rows(x) if w8a8 and x_scale is None else (x, x_scale)
+    fp8 = weight_scale is not None
+    # The rows quantized as shared/model/quantization.fp8_linear quantizes them, unless they came so.
+    x_in, x_scale = quantize_rows(x) if fp8 and x_scale is None else (x, x_scale)
     split_k = config.kwargs["SPLIT_K"]
     # Unused unless the config splits K; out stands in for it otherwise.
     partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -291,11 +278,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
     launch = pdl_options(x.device)
-    # Without a scale, scale_ptr is None and HAS_SCALE False: the kernel compiles as for the plain weight
-    # (x_scale_ptr likewise, unless W8A8).
+    # Without FP8, scale_ptr and x_scale_ptr are None: the kernel compiles as for the plain weight.
     _gemv_kernel[grid](x_in, weight, weight_scale, x_scale, out, partial, rows, n, k, x_in.stride(0),
-                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, HAS_SCALE=weight_scale is not None,
-                       X_FP8=w8a8, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, FP8=fp8, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
                        **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),

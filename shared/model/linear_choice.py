@@ -96,11 +96,9 @@ class LinearChooser:
 
     def apply(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
               scale: torch.Tensor | None = None) -> torch.Tensor:
-        """scale: an FP8 weight's per-channel scale. Up to gemv_triton.WEIGHT_ONLY_ROWS rows such a
-        weight takes the GEMV (cuBLAS has no product of bf16 activations with FP8 weights), its
-        fastest config; up to MAX_ROWS, whichever of the GEMV's W8A8 and shared/model/quantization.
-        fp8_linear's (torch._scaled_mm) timed faster, x quantized by the kernel before or not
-        (Fp8Rows); other shapes take fp8_linear."""
+        """scale: an FP8 weight's per-channel scale. Up to MAX_ROWS rows such a weight takes whichever
+        of the GEMV and shared/model/quantization.fp8_linear (torch._scaled_mm) timed faster, x
+        quantized by the kernel before or not (Fp8Rows); other shapes take fp8_linear."""
         if scale is not None:
             return self._apply_fp8(x, weight, bias, scale)
         if bias is not None or self.mode == "cublas" or not gemv_triton.supports(x, weight):
@@ -148,17 +146,14 @@ class LinearChooser:
                                              gemv_x.element_size())
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
-        elif rows > gemv_triton.WEIGHT_ONLY_ROWS:  # W8A8: the library's is torch._scaled_mm (cuBLASLt)
+        else:  # the library's FP8 product is torch._scaled_mm (cuBLASLt)
             candidates = {"cublas": lambda w: fp8_linear(x, w, scale)}
-        else:  # weight-only: there is no library product of bf16 rows with FP8 weights
-            candidates = {}
         for i, config in enumerate(configs):
             candidates[i] = functools.partial(gemv_triton.gemv, gemv_x, config=config, weight_scale=scale, **quantized)
         times = time_per_call_ms(candidates, weight)
         best = fastest_config(configs, [times[i] for i in range(len(configs))])
-        cublas_ms = times.get("cublas", math.nan)
-        choice = Choice(rows, *weight.shape, str(weight.dtype), cublas_ms, times[best], configs[best],
-                        use_gemv=not math.isfinite(cublas_ms) or prefer_gemv(cublas_ms, times[best], self.mode))
+        choice = Choice(rows, *weight.shape, str(weight.dtype), times["cublas"], times[best], configs[best],
+                        use_gemv=prefer_gemv(times["cublas"], times[best], self.mode))
         log.info("linear backend chosen", rows=choice.rows, n=choice.n, k=choice.k,
                  cublas_us=round(choice.cublas_ms * 1e3, 1), gemv_us=round(choice.gemv_ms * 1e3, 1),
                  gemv_config=str(configs[best].kwargs),

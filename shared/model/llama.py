@@ -30,7 +30,7 @@ from shared.model.layer_kernels import PYTORCH, Kernels
 from shared.model.linear_choice import LinearChooser
 from shared.model.mla import Mla, MlaShape, decode_attention, is_mla
 from shared.model.moe import Routing, moe_forward
-from shared.model.quantization import WEIGHT_ONLY_ROWS, Fp8Rows, fp8_linear
+from shared.model.quantization import Fp8Rows, fp8_linear
 from shared.model.tensor_parallel import SINGLE, TensorParallel
 from shared.model.weights import LayerWeights, LlamaWeights
 
@@ -78,9 +78,8 @@ class PagedLlama:
         # There, the residual adds inside the matmuls where they can be (_output_and_mlp_fused);
         # benchmarks compare it with the adds apart.
         self.adds_in_matmuls = True
-        # With FP8 weights, the GPU's norms and SiLU before a product that quantizes its rows (a prefill
-        # chunk's, a decode batch of more than 16) quantize their output in the same kernel
-        # (_quantized_for); benchmarks compare it with the quantization apart.
+        # With FP8 weights, the GPU's norms and SiLU before a product (which quantizes its rows) quantize
+        # their output in the same kernel (_quantized_for); benchmarks compare it with the quantization apart.
         self.fp8_rows_fused = True
 
     @classmethod
@@ -277,16 +276,16 @@ class PagedLlama:
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:].view(len(x), self.num_kv_heads, self.head_dim)
         return q, v
 
-    def _quantized_for(self, weight_scale: torch.Tensor | None, rows: int) -> bool:
-        """Whether the GPU's kernel before a product writes its output in FP8 for it: an FP8 weight,
-        and more rows than the weight-only products take (the product would quantize them)."""
-        return self.fp8_rows_fused and weight_scale is not None and rows > WEIGHT_ONLY_ROWS
+    def _quantized_for(self, weight_scale: torch.Tensor | None) -> bool:
+        """Whether the GPU's kernel before a product writes its output in FP8 for it (an FP8 weight:
+        the product would quantize it)."""
+        return self.fp8_rows_fused and weight_scale is not None
 
     def _normed_for(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     product_scale: torch.Tensor | None) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """(normed, summed): the GPU's RMSNorm of x, or of x + residual (summed: the new residual
         stream, x itself without one), in FP8 where the product that reads it wants (_quantized_for)."""
-        if self._quantized_for(product_scale, len(x)):
+        if self._quantized_for(product_scale):
             if residual is None:
                 return Fp8Rows(*fused_triton.rms_norm_fp8(x, norm_weight, self.eps), x.dtype), x
             quantized, summed = fused_triton.add_rms_norm_fp8(x, residual, norm_weight, self.eps)
@@ -297,7 +296,7 @@ class PagedLlama:
 
     def _silu_for(self, gate_up: torch.Tensor, product_scale: torch.Tensor | None) -> torch.Tensor | Fp8Rows:
         """The GPU's SiLU with the gate product, in FP8 where the down product wants (_quantized_for)."""
-        if self._quantized_for(product_scale, len(gate_up)):
+        if self._quantized_for(product_scale):
             return Fp8Rows(*fused_triton.silu_and_mul_fp8(gate_up), gate_up.dtype)
         return fused_triton.silu_and_mul(gate_up)
 

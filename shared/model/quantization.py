@@ -2,14 +2,12 @@
 per output channel, as vLLM's `--quantization fp8` and the compressed-tensors FP8 checkpoints have
 them. Embeddings, norms and the lm_head stay in the model's dtype.
 
-A product takes one of two forms, by the rows of its input:
-  up to WEIGHT_ONLY_ROWS (a decode step's small batches, bound by reading the weights): the
-      activations stay in the model's dtype and the weight is widened as it is read, so the step
-      reads half the bytes (the Triton GEMV on a GPU);
-  more rows (a prompt's chunk, a large batch, bound by the matmuls): the activations are quantized
-      per token as they come (a dynamic scale each, the row's absolute maximum over 448), and both
-      operands go through the FP8 tensor cores (torch._scaled_mm), accumulating in fp32. The GPU
-      prefill's norms and SiLU quantize their output for it in the same kernel (Fp8Rows).
+A product quantizes its activations per token as they come (a dynamic scale each, the row's
+absolute maximum over 448) and runs both operands through the FP8 tensor cores, accumulating in
+fp32: torch._scaled_mm, or for a decode step's batch the Triton GEMV if it reads the weight faster
+(shared/model/linear_choice.py). The same numbers at every batch size, as vLLM's dynamic FP8 has
+them: a request's tokens do not depend on how many others share its step. The GPU's norms and SiLU
+quantize their output for the product in the same kernel (Fp8Rows).
 The CPU computes the same numbers in plain PyTorch: the operands dequantized, the products in fp32.
 """
 
@@ -21,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, quantize_rows
-from shared.kernels.gemv_triton import WEIGHT_ONLY_ROWS
 
 # torch._scaled_mm's use_fast_accum: Hopper's FP8 MMA without its periodic promotion of the sums to
 # fp32, as vLLM's CUTLASS FP8 kernels for sm90 run. Off: on an H100 it made the 8K prefill 7% faster
@@ -58,12 +55,8 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Ten
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for an FP8 weight [N, K] with its per-channel scale [N]; x [M, K] in the model's
     dtype, or already quantized, the result in the model's dtype."""
-    if isinstance(x, Fp8Rows):
-        out = quantized_product(x, weight, scale)
-    elif x.shape[0] <= WEIGHT_ONLY_ROWS:
-        out = weight_only_linear(x, weight, scale)
-    else:
-        out = quantized_product(Fp8Rows(*quantize_per_token(x), x.dtype), weight, scale)
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_per_token(x), x.dtype)
+    out = quantized_product(rows, weight, scale)
     return out if bias is None else out + bias
 
 
@@ -74,7 +67,3 @@ def quantized_product(x: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor) -> 
                                 out_dtype=x.dtype, use_fast_accum=fast_accumulation)
     return (F.linear(x.values.float(), weight.float()) * x.scale * scale).to(x.dtype)
 
-
-def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The small-batch product without the GEMV (the CPU, or a shape the GEMV does not take)."""
-    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
