@@ -139,13 +139,9 @@ FP8_SHAPES = {"even": (96, 256), "partial-rows": (51, 256)}  # 51: no BLOCK_N di
 @pytest.mark.parametrize("config,rows", FP8_CONFIG_ROWS, ids=[f"{config_id(c)}-rows{r}" for c, r in FP8_CONFIG_ROWS])
 @pytest.mark.parametrize("n,k", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
 def test_every_config_fp8_weight_quantizes_the_rows(config, rows, n, k):
-    """An FP8 weight's rows are quantized per row (W8A8) at every batch size; on the GPU the result is
-    fp8_linear's too (torch._scaled_mm, the prefill's product)."""
+    """An FP8 weight's rows are quantized per row (W8A8) at every batch size."""
     x, weight, scale, dequantized = fp8_operands(rows, n, k, torch.float32, DEVICE)
-    out = gemv(x, weight, config, weight_scale=scale)
-    check_fp8(out, x, dequantized, FP32_TOL)
-    if COMPILED_CUDA:
-        torch.testing.assert_close(out, fp8_linear(x, weight, scale), **FP16_TOL)
+    check_fp8(gemv(x, weight, config, weight_scale=scale), x, dequantized, FP32_TOL)
 
 
 @pytest.mark.parametrize("config,dtype", [(MULTIPLY_ADD[0], torch.bfloat16), (TENSOR_CORES[0], torch.float16)],
@@ -357,12 +353,14 @@ FP8_CUDA_CASES = [(c, rows, dtype) for c in CONFIGS for rows in fp8_rows(c) for 
 @pytest.mark.parametrize("config,rows,dtype", FP8_CUDA_CASES,
                          ids=[f"{config_id(c)}-rows{r}-{str(d)[6:]}" for c, r, d in FP8_CUDA_CASES])
 def test_every_config_fp8_weight_at_the_8b_shape_cuda(config, rows, dtype):
-    """fp8_linear's numbers (the rows quantized, torch._scaled_mm) for rows in each dtype."""
+    """The product of the quantized operands for rows in each dtype; for bf16 rows (the model's) also
+    fp8_linear's result, torch._scaled_mm's, which the chooser may take instead."""
     x, weight, scale, dequantized = fp8_operands(rows, *LLAMA_8B["o_proj"], dtype, "cuda")
     assert gemv_triton.supports(x, weight, scale)
     out = gemv(x, weight, config, weight_scale=scale)
     check_fp8(out, x, dequantized, TOL[dtype])
-    torch.testing.assert_close(out, fp8_linear(x, weight, scale), **TOL[dtype])
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out, fp8_linear(x, weight, scale), **BF16_TOL)
 
 
 @pytest.mark.gpu

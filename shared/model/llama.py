@@ -350,7 +350,7 @@ class PagedLlama:
         instead of about thirty-five, which is most of a small batch's step time. The matmuls go
         through self.linears, which reads each weight with cuBLAS or the Triton GEMV, whichever
         was faster for the shape; MLA layers' attention and the shared experts' too. With FP8 weights
-        and more than 16 rows the norms and SiLU hand their products rows in FP8 (_normed_for)."""
+        the norms and SiLU hand their products rows in FP8 (_normed_for)."""
         batch = len(token_ids)
         residual = self.embed[token_ids]
         hidden = self._normed_for(residual, None, self.layers[0].input_norm, self.layers[0].qkv_scale)[0]
