@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels.triton_support import require_triton, tl, triton
+from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -32,7 +32,10 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, FP8_MAX: tl.constexpr,
-                              MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+                              MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        # In a decode step it sits between the attention and o_proj's GEMV, which launch early (PDL):
+        # without it, both would wait for full drains.
+        wait_for_previous_kernel(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
@@ -54,5 +57,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = triton.next_power_of_2(k)
         _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), FP8_MAX=FP8_MAX,
-                                       MIN_SCALE=MIN_SCALE, BLOCK_K=block, num_warps=8 if block >= 4096 else 4)
+                                       MIN_SCALE=MIN_SCALE, BLOCK_K=block, num_warps=8 if block >= 4096 else 4,
+                                       **pdl_options(x.device))
     return out, scale
