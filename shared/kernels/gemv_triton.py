@@ -27,8 +27,8 @@ scales on each output after the K loop. The tensor-core configs put both operand
 (fp32 accumulators) with the weight's rows as its 64-row side; the multiply-add ones widen both to
 fp32 (exactly: e4m3 fits). This is what torch._scaled_mm computes, but reading the weight as a GEMV
 does: the decode times both (shared/model/linear_choice.py) and keeps the faster. Weight-only FP8
-(bf16 rows) went: its weights widened to bf16 before the MMA, a conversion per element that kept the
-GEMV at 0.41-0.72 of the copy rate on an H200 (docs/BENCHMARKS.md).
+(bf16 rows, each weight element widened before its product) went: it read the weights at only
+0.41-0.72 of the copy rate on an H200 (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
