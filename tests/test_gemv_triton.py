@@ -12,6 +12,7 @@ o_proj, where fp8_linear's own result is the reference too.
 
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 
@@ -28,7 +29,7 @@ pytest.importorskip("triton")
 from shared.kernels import gemv_triton
 from shared.kernels.fp8_quant_triton import quantize_rows
 from shared.kernels.gemv_triton import CONFIGS, MAX_ROWS, SUPPORTED_DTYPES, TENSOR_CORE_ROWS, gemv
-from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv
+from shared.model.linear_choice import LinearChooser, fastest_config, prefer_gemv, time_per_call_ms
 from shared.model.quantization import fp8_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,6 +366,19 @@ def test_every_config_fp8_weight_at_the_8b_shape_cuda(config, rows, dtype):
     check_fp8(out, x, dequantized, FP8_TOL[dtype])
     if dtype == torch.bfloat16:
         torch.testing.assert_close(out, fp8_linear(x, weight, scale), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_candidate_too_big_for_the_device_is_timed_infinite_cuda():
+    from triton.runtime.errors import OutOfResources
+
+    def too_big(weight):
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    x, weight = operands(8, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
+    times = time_per_call_ms({"fits": lambda w: F.linear(x, w), "too_big": too_big}, weight)
+    assert times["too_big"] == math.inf and math.isfinite(times["fits"])
 
 
 @pytest.mark.gpu

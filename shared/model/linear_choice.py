@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels import gemv_triton
+from shared.kernels.triton_support import triton
 from shared.model.quantization import Fp8Rows, fp8_linear
 
 log = structlog.get_logger()
@@ -44,6 +45,8 @@ _L2_MULTIPLE = 2
 # Calls per graph replay, at least: enough GPU time per replay for the event timer's resolution.
 _MIN_CALLS = 16
 _REPLAYS = 5
+# What a config's first call raises when its tiles do not fit this device (nothing to catch without triton).
+_DOES_NOT_FIT = triton.runtime.errors.OutOfResources if triton is not None else ()
 
 
 @dataclass(frozen=True)
@@ -171,12 +174,21 @@ def _gemv_input(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, dict]:
 def time_per_call_ms(candidates: dict[object, Callable[[torch.Tensor], torch.Tensor]],
                      weight: torch.Tensor) -> dict[object, float]:
     """Median milliseconds of one fn(weight) per candidate, as a decode step sees it: back to back in
-    a CUDA graph, the weight cold in L2. Must run outside any capture."""
+    a CUDA graph, the weight cold in L2; infinite for a config whose tiles do not fit the device
+    (gemv_triton.fits_shared_memory lets none through that it knows of: this keeps a miscount from
+    stopping the decode at its start). Must run outside any capture."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
     weight_bytes = weight.numel() * weight.element_size()
     copies = [weight] + [weight.clone() for _ in range(math.ceil(_L2_MULTIPLE * l2_bytes / weight_bytes) - 1)]
     calls = len(copies) * math.ceil(_MIN_CALLS / len(copies))
-    return {name: _time_graphed(fn, copies, calls) for name, fn in candidates.items()}
+    times = {}
+    for name, fn in candidates.items():
+        try:
+            times[name] = _time_graphed(fn, copies, calls)
+        except _DOES_NOT_FIT as exc:
+            log.warning("linear candidate does not fit this device, not chosen", candidate=str(name), error=str(exc))
+            times[name] = math.inf
+    return times
 
 
 def _time_graphed(fn: Callable[[torch.Tensor], torch.Tensor], copies: list[torch.Tensor], calls: int) -> float:
