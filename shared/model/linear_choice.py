@@ -174,9 +174,9 @@ def _gemv_input(x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, dict]:
 def time_per_call_ms(candidates: dict[object, Callable[[torch.Tensor], torch.Tensor]],
                      weight: torch.Tensor) -> dict[object, float]:
     """Median milliseconds of one fn(weight) per candidate, as a decode step sees it: back to back in
-    a CUDA graph, the weight cold in L2; infinite for a config whose tiles do not fit the device
-    (gemv_triton.fits_shared_memory lets none through that it knows of: this keeps a miscount from
-    stopping the decode at its start). Must run outside any capture."""
+    a CUDA graph, the weight cold in L2; infinite for a candidate whose first call does not fit the
+    device (a config that gemv_triton.fits_shared_memory let through wrongly), so that it is never
+    chosen instead of stopping the decode's start. Must run outside any capture."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
     weight_bytes = weight.numel() * weight.element_size()
     copies = [weight] + [weight.clone() for _ in range(math.ceil(_L2_MULTIPLE * l2_bytes / weight_bytes) - 1)]
