@@ -13,12 +13,12 @@ import torch
 # anything imports triton, and product modules (shared.kv.pool) import it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# `make test` runs its test processes beside the stacks' workers on CI's two cores. A test process's
-# second OpenMP thread then mostly spins at barriers: a quantized decode test (test_model.py) took
-# 54 s with two threads and 24 s with one beside three busy processes, and 11-12 s either way on an
-# idle machine. A test that needs another count sets it itself (test_kv_quant_e2e.py).
-torch.set_num_threads(1)
+    # CI's `make test` runs its test processes beside the stacks' workers on two cores. A test
+    # process's second OpenMP thread then mostly spins at barriers: a quantized decode test
+    # (test_model.py) took 54 s with two threads and 24 s with one beside three busy processes, and
+    # 11-12 s either way on an idle machine. A test that needs another count sets it itself
+    # (test_kv_quant_e2e.py).
+    torch.set_num_threads(1)
 
 from tests.stack import ServiceStack  # noqa: E402
 
