@@ -240,6 +240,17 @@ def test_usable_configs_fit_shared_memory():
     assert len(usable(4, 4)) < len(usable(2, 2)) < len(every)
 
 
+def test_tile_element_bytes_count_rows_as_the_kernel_reads_them():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert gemv_triton.tile_element_bytes(x, weight, None) == (2, 2)
+    fp8_weight, scale = weight.to(gemv_triton.FP8_DTYPE), torch.ones(32)
+    # bf16 rows go through quantize_rows before the kernel, as rows quantized already do not
+    assert gemv_triton.tile_element_bytes(x, fp8_weight, scale) == (1, 1)
+    assert gemv_triton.tile_element_bytes(x.to(gemv_triton.FP8_DTYPE), fp8_weight, scale) == (1, 1)
+    assert gemv_triton.tile_element_bytes(x.float(), weight.float(), None) == (4, 4)
+
+
 def test_bad_inputs_raise():
     x, weight = operands(3, 96, 256, torch.float32, DEVICE)
     with pytest.raises(ValueError):

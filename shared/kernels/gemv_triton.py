@@ -208,6 +208,12 @@ def fits_shared_memory(config, shared_memory: int, weight_bytes: int, x_bytes: i
     return config.num_stages * tile <= shared_memory
 
 
+def tile_element_bytes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> tuple[int, int]:
+    """The bytes of a weight element and of an x element in gemv's kernel tiles: with an FP8 weight the
+    rows reach the kernel in FP8, since gemv quantizes rows that come in a float dtype first."""
+    return weight.element_size(), 1 if weight_scale is not None else x.element_size()
+
+
 def _scale_fits(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     return (weight_scale.dtype == torch.float32 and weight_scale.shape == weight.shape[:1]
             and weight_scale.is_contiguous() and weight_scale.device == weight.device)

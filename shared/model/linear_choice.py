@@ -145,8 +145,8 @@ class LinearChooser:
         gemv_x, quantized = _gemv_input(x)
         rows, device = len(gemv_x), gemv_x.device.index
         configs = gemv_triton.usable_configs(rows, *weight.shape, gemv_triton.num_sms(device),
-                                             gemv_triton.shared_memory_per_program(device), weight.element_size(),
-                                             gemv_x.element_size())
+                                             gemv_triton.shared_memory_per_program(device),
+                                             *gemv_triton.tile_element_bytes(gemv_x, weight, scale))
         if scale is None:
             candidates = {"cublas": lambda w: F.linear(x, w)}
         else:  # the library's FP8 product is torch._scaled_mm (cuBLASLt)
