@@ -27,10 +27,14 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
   and flashinfer_fp8_ungrouped: that with each KV head repeated for its query heads, the two
   things FlashInfer's own tests of the kernel do that flashinfer_fp8 does not (its bf16 output
   was wrong by as much as the output: docs/BENCHMARKS.md);
+- triton_fp8: shared/kernels/fp8_prefill_attention_triton.py, both products on FP8 tensor cores, q,
+  k and v quantized per head in the call (V transposed); triton_fp8_kernel_MxN_wWsS: the kernel alone
+  on inputs quantized before, for each of its configs (M query rows by N keys a tile, W warps, S
+  stages);
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
-its largest difference from SDPA's math backend in float32 on the case cut to at most 1024 queries
-after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE, PyTorch's experimental setting for fewer plan
+its largest difference from SDPA's math backend in float32 (beside the largest value, and the two
+outputs' cosine) on the case cut to at most 1024 queries after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE, PyTorch's experimental setting for fewer plan
 builds, is in the report as the environment gives it.
 
 For a later chunk, what its layer's earlier K/V cost to read: the gather from scattered pages that
@@ -53,7 +57,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loadtest.lib.device_rates import GIB, cuda_time_ms, matmul_tflops
 from loadtest.lib.report import emit
-from shared.kernels import flashinfer_prefill
+from shared.kernels import flashinfer_prefill, fp8_prefill_attention_triton
+from shared.kernels.fp8_prefill_attention_triton import quantize_per_head
 from shared.kv.pool import allocate_local_pool, make_layout
 from shared.kv.prompt_kv import PromptKv
 from shared.model import attention, split_attention
@@ -77,8 +82,6 @@ CHECK_QUERIES, CHECK_BEFORE = 1024, 3072
 PAGE_SIZE = 16
 DEVICE = "cuda"
 LONG_PROMPT, LONG_CHUNK = 524288, 32768
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 
 
 def attention_flops(shape: Shape, queries: int, before: int) -> float:
@@ -109,13 +112,6 @@ def split(modes: tuple[str, str]):
         forced = modes if k.shape[0] > q.shape[0] else (None, modes[1])
         return split_attention.split_attention(q, k, v, scale, forced)
     return call
-
-
-def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[S, H, D] -> (float8_e4m3 [S, H, D], float32 [H]): each head scaled so its largest value is FP8's largest."""
-    scale = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / FP8_MAX
-    # In x's dtype: bf16 keeps more bits than e4m3, and a float32 copy of a long context is large.
-    return (x * (1 / scale).to(x.dtype)[None, :, None]).to(FP8), scale
 
 
 def fp8_kernel(q8, k8, v8, scales, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -156,6 +152,27 @@ def fp8_kernel_alone(q, k, v, scale):
     return fp8_kernel(q8, k8, v8, (q_scale, k_scale, v_scale), scale, q.dtype)
 
 
+def triton_fp8(config):
+    """shared/kernels/fp8_prefill_attention_triton.py, q, k and v quantized in the call."""
+    def call(q, k, v, scale):
+        return fp8_prefill_attention_triton.attention(*fp8_prefill_attention_triton.quantize_for_attention(q, k, v),
+                                                      scale, q.dtype, config)
+    return call
+
+
+@functools.lru_cache(maxsize=1)
+def triton_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The last case's inputs as the Triton FP8 kernel takes them (tensors hash by identity)."""
+    return fp8_prefill_attention_triton.quantize_for_attention(q, k, v)
+
+
+def triton_fp8_kernel(config):
+    """The Triton FP8 kernel alone, on inputs quantized before the timing."""
+    def call(q, k, v, scale):
+        return fp8_prefill_attention_triton.attention(*triton_quantized(q, k, v), scale, q.dtype, config)
+    return call
+
+
 def v_padded(q, k, v, scale):
     padded = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
     return attention.prefill_attention(q, k, padded, scale)[..., : v.shape[-1]]
@@ -178,6 +195,13 @@ FLASHINFER_WAYS = {
 }
 
 
+# Each config of the Triton FP8 kernel alone, named by its query rows and keys a tile, warps and stages;
+# the first also with the quantization in the call.
+TRITON_FP8_WAYS = {"triton_fp8": triton_fp8(fp8_prefill_attention_triton.CONFIGS[0])} | {
+    f"triton_fp8_kernel_{m}x{n}_w{warps}s{stages}": triton_fp8_kernel((m, n, warps, stages))
+    for m, n, warps, stages in fp8_prefill_attention_triton.CONFIGS}
+
+
 def ways(shape: Shape) -> dict:
     if shape.kv_heads == shape.heads:  # no groups to stack
         named = {name: fn for name, fn in WAYS.items() if name != "cudnn_split_stacked"}
@@ -188,6 +212,8 @@ def ways(shape: Shape) -> dict:
                                   (shape.kv_heads, shape.v_dim)))
     if flashinfer_prefill.accepts(q, k, v):
         named |= FLASHINFER_WAYS
+    if fp8_prefill_attention_triton.runs_on(q.device) and shape.v_dim == shape.head_dim:
+        named |= TRITON_FP8_WAYS
     return named | ({"v_padded": v_padded} if shape.v_dim != shape.head_dim else {})
 
 
@@ -207,7 +233,7 @@ def run_way(shape: Shape, name: str, fn, queries: int, before: int, repeats: int
     bound_ms = flops / (rate_tflops * 1e12) * 1e3
     return {"ms": round(mean_ms, 3), "tflops": round(flops / mean_ms / 1e9, 1),
             "fraction_of_matmul_rate": round(bound_ms / mean_ms, 3), "bound_ms": round(bound_ms, 3),
-            "first_call_ms": round(first_ms, 1), "max_abs_diff_vs_math": max_diff(shape, fn, queries, before)}
+            "first_call_ms": round(first_ms, 1), **against_math(shape, fn, queries, before)}
 
 
 def first_call_ms(fn) -> float:
@@ -218,9 +244,14 @@ def first_call_ms(fn) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def max_diff(shape: Shape, fn, queries: int, before: int) -> float:
+def against_math(shape: Shape, fn, queries: int, before: int) -> dict:
+    """The way's output against the math backend's: the largest difference, beside the largest value,
+    and the cosine of the two outputs, the measure FP8 attention is usually reported by."""
     q, k, v = inputs(shape, min(queries, CHECK_QUERIES), min(before, CHECK_BEFORE), seed=1)
-    return (fn(q, k, v, shape.scale).float() - math_backend(q, k, v, shape.scale)).abs().max().item()
+    out, reference = fn(q, k, v, shape.scale).float(), math_backend(q, k, v, shape.scale)
+    return {"max_abs_diff_vs_math": (out - reference).abs().max().item(),
+            "math_max_abs": reference.abs().max().item(),
+            "cosine_vs_math": F.cosine_similarity(out.flatten(), reference.flatten(), dim=0).item()}
 
 
 def math_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
