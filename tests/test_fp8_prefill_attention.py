@@ -120,11 +120,12 @@ def test_v_transposed_and_padded():
 
 
 def test_per_head_fp8_keeps_each_head_within_e4m3_rounding():
-    """q, k and v are quantized with one scale a head (for this kernel and FlashInfer's in the benchmark): a head of tiny values keeps
-    its precision beside a head of large ones, and nothing saturates (so what those rows measure of
-    accuracy is the kernel's)."""
+    """q, k and v are quantized with one scale a head (for this kernel, and for FlashInfer's in the
+    benchmark): a head of tiny values keeps its precision beside a head of large ones, and nothing
+    saturates (so what the benchmark's FP8 rows measure of accuracy is the kernel's)."""
     generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(50, 3, 16, generator=generator) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]).to(torch.bfloat16)
+    magnitudes = torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    x = (torch.randn(50, 3, 16, generator=generator) * magnitudes).to(torch.bfloat16)
     quantized, scale = fp8_attention.quantize_per_head(x)
     assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (3,)
     assert quantized.float().abs().amax(dim=(0, 2)).tolist() == [fp8_attention.FP8_MAX] * 3

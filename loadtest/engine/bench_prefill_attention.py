@@ -34,8 +34,9 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 (beside the largest value, and the two
-outputs' cosine) on the case cut to at most 1024 queries after 3072 keys. TORCH_CUDNN_SDPA_AVOID_RECOMPILE, PyTorch's experimental setting for fewer plan
-builds, is in the report as the environment gives it.
+outputs' cosine) on the case cut to at most 1024 queries after 3072 keys.
+TORCH_CUDNN_SDPA_AVOID_RECOMPILE, PyTorch's experimental setting for fewer plan builds, is in the
+report as the environment gives it.
 
 For a later chunk, what its layer's earlier K/V cost to read: the gather from scattered pages that
 each chunk made until now (bf16 pages; int8 pages dequantized), against what the prefill does now,

@@ -3,7 +3,8 @@
 On Hopper no library kernel gives it: cuDNN's FP8 attention is for Blackwell only, and FlashInfer's
 FA3 FP8 prefill put its output a third of its norm off (docs/BENCHMARKS.md). This one is measured
 beside them by loadtest/engine/bench_prefill_attention.py, with its accuracy against the math
-backend; the prefill does not choose it.
+backend. The prefill does not choose it: on an H100 it ran 1.10x FlashInfer's bf16 kernel at long
+contexts and 0.87x on a whole 8K prompt, not enough for what e4m3 costs in accuracy.
 
 Inputs in float8_e4m3fn with one float32 scale per head (quantize_for_attention):
     q  [T, H, D]      k  [S, KVH, D]      v_t  [KVH, D, S']   (S' >= S, the tokens contiguous)
@@ -11,9 +12,9 @@ V comes transposed because an FP8 warpgroup MMA reads its second operand along t
 for P @ V that is the tokens. Query i of T sees keys up to S - T + i (causal from the bottom right:
 a whole prompt, or a chunk after earlier keys, in one call); query head h reads KV head h // (H / KVH).
 
-Program (query block, head), the blocks with the most keys launched first, runs an online softmax over its keys in fp32, in log2 units, the
-softmax scale and both scales folded into one multiplier of the scores. Where the numbers can go
-wrong in FP8, and what is done:
+Program (query block, head) runs an online softmax over its keys in fp32, in log2 units, the softmax
+scale and both quantization scales folded into one multiplier of the scores; the blocks that see the
+most keys launch first. Where the numbers can go wrong in FP8, and what is done:
 - The probabilities go to e4m3 weighed up to P_WEIGHT (256), not in [0, 1]: e4m3 keeps 3 bits of
   mantissa at any size, but below 2**-6 it loses them, and at 2**-10 nothing is left.
 - Hopper's FP8 MMA adds at about 14 bits. The PV product's sums are promoted to fp32 after each

@@ -292,8 +292,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
     launch = pdl_options(x.device)
     # Without FP8, scale_ptr and x_scale_ptr are None: the kernel compiles as for the plain weight.
     _gemv_kernel[grid](x_in, weight, weight_scale, x_scale, out, partial, rows, n, k, x_in.stride(0),
-                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, FP8=fp8, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
-                       **launch)
+                       weight.stride(0), out.stride(0), DOT_PRECISION=precision, FP8=fp8, **config.kwargs,
+                       num_warps=config.num_warps, num_stages=config.num_stages, **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)
