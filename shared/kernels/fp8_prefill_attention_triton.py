@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE
 from shared.kernels.triton_support import compiled, require_triton, tl, triton
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 P_WEIGHT = 256.0
 _LOG2E = 1.4426950408889634
-# Keeps a head of zeros from dividing by zero.
-_MIN_SCALE = 1e-12
 # V's tokens padded to a multiple of this, so each row of v_t starts 16-byte aligned.
 _TOKEN_ALIGN = 16
 # (BLOCK_M, BLOCK_N, warps, stages): query rows and keys a tile; the first is the default.
@@ -60,7 +57,7 @@ def quantize_for_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _head_scale(x: torch.Tensor) -> torch.Tensor:
-    return (x.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
