@@ -46,30 +46,20 @@ def runs_on(device: torch.device) -> bool:
 def quantize_for_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q [T, H, D], k and v [S, KVH, D] -> ((q8, k8, v_t8), (q_scale [H], k_scale [KVH], v_scale [KVH])):
     each head scaled so its largest magnitude is e4m3's largest, V transposed to [KVH, D, S']."""
-    q8, q_scale = quantize_per_head(q)
-    k8, k_scale = quantize_per_head(k)
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_per_head(x) for x in (q, k, v))
     tokens, kv_heads, head_dim = v.shape
-    v_scale = _head_scale(v)
     padded = -(-tokens // _TOKEN_ALIGN) * _TOKEN_ALIGN
     v_t = torch.zeros((kv_heads, head_dim, padded), dtype=FP8, device=v.device)
-    v_t[:, :, :tokens] = _to_fp8(v, v_scale).permute(1, 2, 0)
+    v_t[:, :, :tokens] = v8.permute(1, 2, 0)
     return (q8, k8, v_t), (q_scale, k_scale, v_scale)
-
-
-def _head_scale(x: torch.Tensor) -> torch.Tensor:
-    return (x.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=MIN_SCALE)
-
-
-def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # In x's dtype: bf16 keeps more bits than e4m3, and a float32 copy of a long context is large.
-    return (x * (1 / scale).to(x.dtype)[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, H, D] -> (float8_e4m3 [S, H, D], float32 [H]): each head scaled so its largest magnitude is
     e4m3's largest (also the FP8 inputs of FlashInfer's kernel in the benchmark)."""
-    scale = _head_scale(x)
-    return _to_fp8(x, scale), scale
+    scale = (x.abs().amax(dim=(0, 2)).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    # In x's dtype: bf16 keeps more bits than e4m3, and a float32 copy of a long context is large.
+    return (x * (1 / scale).to(x.dtype)[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 if triton is not None:
