@@ -88,7 +88,7 @@ def test_matches_the_algorithm_in_pytorch(queries, keys):
     scale = q.shape[-1] ** -0.5
     quantized, scales = fp8_attention.quantize_for_attention(q, k, v)
     out = fp8_attention.attention(quantized, scales, scale, torch.float32, SMALL)
-    # Interpreted, what is left is fp32's order of additions (5e-7 here); compiled, also the FP8 MMA's
+    # Interpreted, what is left is fp32's order of additions; compiled, also the FP8 MMA's
     # sums in QK, which Hopper adds at about 14 bits.
     torch.testing.assert_close(out.cpu(), emulated(quantized, scales, scale, SMALL[1]), rtol=2e-3, atol=2e-3)
 
