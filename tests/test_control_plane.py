@@ -176,6 +176,29 @@ def test_a_stream_not_read_for_the_stall_timeout_is_cancelled(checkpoint, tmp_pa
 
 # ---- liveness by progress, unreachable workers, stage timeouts ----
 
+def test_a_router_stopped_past_the_heartbeat_timeout_drops_no_worker_and_loses_no_request(stack):
+    """The router's own loop stands still (here SIGSTOP; on a GPU host once, cause unknown) for longer
+    than router.heartbeat_timeout_s while the workers beat into its socket: when it runs again it
+    must read those heartbeats, not drop both workers and fail what they hold."""
+    stopped_s = stack.config.router.heartbeat_timeout_s + 2
+    workers = {(w.worker_id, w.role) for w in stack.workers()}
+    logged = len(stack.log_path("router").read_text().splitlines())
+    call = stack.stub.Generate(_greedy("Count slowly:", 40), timeout=120)
+    next(call)  # decoding
+    stack.signal("router", signal.SIGSTOP)
+    try:
+        time.sleep(stopped_s)
+    finally:
+        stack.signal("router", signal.SIGCONT)
+    assert sum(len(chunk.token_ids) for chunk in call) == 39, "the rest of the 40 tokens, after the first"
+    assert {(w.worker_id, w.role) for w in stack.workers()} == workers
+    since = stack.log_path("router").read_text().splitlines()[logged:]
+    assert not [line for line in since if '"dropping worker"' in line or '"worker registered"' in line], since
+    stalls = [json.loads(line)["seconds"] for line in since if '"router event loop stood still"' in line]
+    assert stalls and max(stalls) >= stopped_s - 0.5, since
+    stack.assert_pools_drained()
+
+
 def test_a_worker_whose_loop_makes_no_progress_is_dropped_though_it_beats(checkpoint, tmp_path):
     """A prompt one layer of which keeps the prefill's main loop away for longer than
     progress_timeout_s (8,000 tokens: 1.8 s a layer on one of CI's cores, idle): its heartbeat

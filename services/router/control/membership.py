@@ -7,7 +7,8 @@ worker id belongs to one live process: another process registering under it (a s
 the same runtime folder, a worker started twice by hand) is refused while the holder still beats
 and its connection is there, and never evicts it; a restarted worker, whose old process is gone
 with its connection, takes its id back at once. A worker is dropped when it deregisters, registers
-again, goes silent past router.heartbeat_timeout_s, reports its main loop stuck past
+again, goes silent past router.heartbeat_timeout_s (time the router's own loop stood still, its
+socket unread, does not count: WorkerRegistry.router_stalled_s), reports its main loop stuck past
 router.progress_timeout_s, or a send finds its connection gone.
 Heartbeats list what each worker holds, and the router aborts what it no longer knows. Every
 decode hears of every prefill's pool (PoolAvailable), but of a NIXL handle only once it has shown
@@ -26,7 +27,6 @@ so this module never imports them:
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +58,7 @@ from shared.runtime import metrics
 
 log = structlog.get_logger()
 
+STALL_WARNING_S = 1.0  # a stall of the router's loop this long is logged: it delays every request
 NIXL = "nixl"  # KvPoolHandle.backend of a pool offered over NIXL (shared/kv/transfer/nixl.py)
 
 
@@ -124,6 +125,14 @@ class Membership:
         for worker in self.registry.workers.values():
             self.socket.send(worker, Drained())
 
+    def router_stalled(self, seconds: float) -> None:
+        """The router's event loop ran this much later than it meant to: that time is no worker's silence."""
+        if seconds <= 0:
+            return
+        if seconds >= STALL_WARNING_S:
+            log.warning("router event loop stood still", seconds=round(seconds, 3))
+        self.registry.router_stalled_s += seconds
+
     def drop_silent(self) -> None:
         timeout = self.settings.heartbeat_timeout_s
         for worker in self.registry.silent_since(timeout):
@@ -182,7 +191,7 @@ class Membership:
         holder = self.registry.workers.get(message.worker_id)
         if holder is None or holder.incarnation == message.incarnation or holder.identity == peer.identity:
             return ""
-        silent_s = time.monotonic() - holder.last_seen
+        silent_s = self.registry.silent_s(holder)
         if silent_s > self.settings.heartbeat_timeout_s or not self.socket.reaches(holder, Registered(self.epoch)):
             return ""
         return (f"worker id {message.worker_id!r} is held by a live worker (pid {holder.pid}, heard from "

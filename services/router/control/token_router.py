@@ -234,12 +234,19 @@ class TokenRouter:
         self.membership.drop_unreachable()
 
     async def _timeouts_loop(self) -> None:
-        """What time alone ends: a silent worker, a stage past its deadline, a handoff never pulled."""
+        """What time alone ends: a silent worker, a stage past its deadline, a handoff never pulled.
+        A wake-up later than the period is the event loop standing still (the process stopped or
+        starved, a long callback): heartbeats waited unread meanwhile, so the delay is told to
+        membership first, which does not count it as the workers' silence."""
         period = min(0.25, self.settings.heartbeat_timeout_s / 4)
         guard = LoopGuard("timeouts")
+        woke = time.monotonic()
         while True:
             await asyncio.sleep(period)
+            now = time.monotonic()
+            late_s, woke = now - woke - period, now
             with guard.iteration():
+                self.membership.router_stalled(late_s)
                 self.membership.drop_silent()
                 self._expire_stages(time.monotonic())
                 self.membership.drop_unreachable()

@@ -23,6 +23,7 @@ class WorkerRecord:
     pool_handles: list[KvPoolHandle]  # a prefill's, as it registered them
     fingerprint: ModelFingerprint
     last_seen: float = field(default_factory=time.monotonic)
+    stalled_s_when_seen: float = 0.0  # the registry's router_stalled_s at last_seen
     # Pages promised to each request in flight, by request id: the prompt's on a prefill until
     # the decode has pulled them, prompt + max_tokens on a decode until it ends the request. The
     # requests that fail if this worker dies are exactly these.
@@ -63,6 +64,9 @@ class WorkerRecord:
 class WorkerRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
+        # How long the router's own event loop has stood still, in all: heartbeats waited unread in
+        # its socket meanwhile, so that time is no worker's silence.
+        self.router_stalled_s = 0.0
 
     def register(self, identity: bytes, user_id: str | None,
                  message: Register) -> tuple[WorkerRecord, WorkerRecord | None]:
@@ -75,7 +79,7 @@ class WorkerRegistry:
             return old, old
         worker = WorkerRecord(message.worker_id, message.role, identity, user_id, message.incarnation, message.pid,
                               message.total_pages, message.max_batch_size, message.window, message.pool_handles,
-                              message.fingerprint,
+                              message.fingerprint, stalled_s_when_seen=self.router_stalled_s,
                               free_pages=message.total_pages)
         self.workers[message.worker_id] = worker
         if worker.role == Role.PREFILL:  # a new pool: every decode tries it afresh
@@ -96,7 +100,7 @@ class WorkerRegistry:
         return next((w for w in self.workers.values() if w.identity == identity), None)
 
     def heartbeat(self, worker: WorkerRecord, message: Heartbeat) -> None:
-        worker.last_seen = time.monotonic()
+        worker.last_seen, worker.stalled_s_when_seen = time.monotonic(), self.router_stalled_s
         worker.free_pages, worker.running, worker.waiting = message.free_pages, message.running, message.waiting
         worker.stalled_s = message.stalled_s
 
@@ -104,9 +108,12 @@ class WorkerRegistry:
         if self.workers.get(worker.worker_id) is worker:
             del self.workers[worker.worker_id]
 
+    def silent_s(self, worker: WorkerRecord) -> float:
+        """How long the router has listened for the worker since it last heard from it."""
+        return time.monotonic() - worker.last_seen - (self.router_stalled_s - worker.stalled_s_when_seen)
+
     def silent_since(self, timeout_s: float) -> list[WorkerRecord]:
-        deadline = time.monotonic() - timeout_s
-        return [w for w in self.workers.values() if w.last_seen < deadline]
+        return [w for w in self.workers.values() if self.silent_s(w) > timeout_s]
 
     def of_role(self, role: Role) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.role == role]
