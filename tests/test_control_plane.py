@@ -177,7 +177,7 @@ def test_a_stream_not_read_for_the_stall_timeout_is_cancelled(checkpoint, tmp_pa
 # ---- liveness by progress, unreachable workers, stage timeouts ----
 
 def test_a_router_stopped_past_the_heartbeat_timeout_drops_no_worker_and_loses_no_request(stack):
-    """The router's own loop stands still (here SIGSTOP; on a GPU host once, cause unknown) for longer
+    """The router's own loop stands still (here SIGSTOP; a starved host, a long callback) for longer
     than router.heartbeat_timeout_s while the workers beat into its socket: when it runs again it
     must read those heartbeats, not drop both workers and fail what they hold."""
     stopped_s = stack.config.router.heartbeat_timeout_s + 2
