@@ -18,6 +18,7 @@ import pytest
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.control import wire
+from shared.control.router_link import LATE_BEAT_WARNING_S
 from shared.control.messages import (
     EXIT_REFUSED,
     PROTOCOL_VERSION,
@@ -197,6 +198,23 @@ def test_a_router_stopped_past_the_heartbeat_timeout_drops_no_worker_and_loses_n
     stalls = [json.loads(line)["seconds"] for line in since if '"router event loop stood still"' in line]
     assert stalls and max(stalls) >= stopped_s - 0.5, since
     stack.assert_pools_drained()
+
+
+def test_a_worker_that_could_not_beat_for_a_while_says_so_in_its_log(stack):
+    """A decode stopped long enough that its next heartbeat is due LATE_BEAT_WARNING_S before it
+    can go out logs how late it was: what tells a worker's own stall from the router's after a drop."""
+    stopped_s = LATE_BEAT_WARNING_S + stack.config.worker.heartbeat_interval_s + 0.3
+    logged = len(stack.log_path("decode").read_text().splitlines())
+    stack.signal("decode", signal.SIGSTOP)
+    try:
+        time.sleep(stopped_s)
+    finally:
+        stack.signal("decode", signal.SIGCONT)
+    stack.wait_serving()
+    assert len(_token_ids(stack.stub, _greedy("Hello", 3))) == 3
+    since = stack.log_path("decode").read_text().splitlines()[logged:]
+    late = [json.loads(line)["late_s"] for line in since if '"heartbeat went out late"' in line]
+    assert late and max(late) >= LATE_BEAT_WARNING_S, since
 
 
 def test_a_worker_whose_loop_makes_no_progress_is_dropped_though_it_beats(checkpoint, tmp_path):

@@ -40,6 +40,7 @@ log = structlog.get_logger()
 
 REGISTER_RESEND_S = 2.0  # a Register lost with a router that died before answering is sent again
 STARTING_POLL_S = 0.1  # while registering, how often a stop signal is looked at
+LATE_BEAT_WARNING_S = 1.0  # a heartbeat this late is logged
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,10 @@ class RouterLink:
             if now - self._registered_at >= REGISTER_RESEND_S:
                 self._register()
         elif now >= self._next_beat:
+            if now - self._next_beat >= LATE_BEAT_WARNING_S:
+                # Neither thread could send (the process stopped, the GIL held through a compile or a
+                # blocking call): the router may have dropped us meanwhile; the log says why.
+                log.warning("heartbeat went out late", late_s=round(now - self._next_beat, 3))
             load = self._load()
             self._socket.send(wire.encode(Heartbeat(
                 self._worker_id, self._epoch, load.free_pages, load.running, load.waiting,
