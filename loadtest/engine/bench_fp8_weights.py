@@ -9,10 +9,11 @@ a scale per row and per column, 8192^3). Each quantization (model.quantization) 
 runs as the workers run it:
 - the decode step, one CUDA graph replay (services/decode/cuda_graphs.py), at each batch size with
   every request at --context tokens, its pages in each of --kv-dtypes (kv.dtype): p50 of 100, beside
-  its floor, the weight and KV bytes it reads at the copy bandwidth;
+  its floor, the weight and KV bytes it reads at the copy bandwidth, and its kernels over ten steps
+  (loadtest/lib/kernel_profile.py: device time by kind, the busiest kernels, the device's idle time);
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
-  attention's at the bf16 rate;
+  attention's at the bf16 rate, and its kernels;
 - with FP8 weights, the prefill and the steps again with the activations
   quantized by a kernel of their own (PagedLlama.fp8_rows_fused off, as before the norms and SiLU
   wrote them in FP8): the time, and whether the logits are equal to the fused way's;
@@ -38,6 +39,7 @@ import torch
 
 from loadtest.lib.decode_batch import decode_batch
 from loadtest.lib.device_rates import copy_bandwidth_gbs, cuda_time_ms, fp8_matmul_tflops, matmul_tflops
+from loadtest.lib.kernel_profile import kernel_breakdown
 from loadtest.lib.model_costs import kv_token_bytes, prefill_bound_s, weight_bytes_per_step
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
@@ -80,25 +82,27 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
     pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE, kv_dtype), "cuda")
     weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, kv_dtype, PAGE_SIZE)
 
-    def step(batch: int) -> tuple[float, torch.Tensor]:
-        """The graphed step's p50 and its logits (the graph built and captured as the model is set now)."""
+    def step(batch: int, profile: bool = False) -> tuple[float, torch.Tensor, dict]:
+        """The graphed step's p50, its logits (the graph built and captured as the model is set now)
+        and, if asked, its kernels over ten steps in a row."""
         allocator = PageAllocator(pages)
         graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], pages_for(context + PAGE_SIZE, PAGE_SIZE),
                                [batch])
         inputs = decode_batch(allocator, [context] * batch, PAGE_SIZE, "cuda").inputs
         ms = quantile(cuda_time_ms(lambda: graphs.step(inputs), 100), 0.5)
-        return ms, graphs.step(inputs).clone()
+        kernels = kernel_breakdown(lambda: graphs.step(inputs), calls=10) if profile else {}
+        return ms, graphs.step(inputs).clone(), kernels
 
     results = []
     for batch in batches:
-        step_ms, logits = step(batch)
+        step_ms, logits, kernels = step(batch, profile=True)
         floor_ms = (weights + batch * context * kv_per_token) / (bandwidth_gbs * 1e9) * 1e3
         result = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "step_ms_p50": step_ms,
                   "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
-                  "weight_gb_per_step": weights / 1e9}
+                  "weight_gb_per_step": weights / 1e9, "kernels": kernels}
         if model.weights.quantization == "fp8":
             with quantization_apart(model):
-                apart_ms, apart_logits = step(batch)
+                apart_ms, apart_logits, _ = step(batch)
             result |= {"quantization_apart_ms_p50": apart_ms, "fused_over_apart": step_ms / apart_ms,
                        "logits_equal_to_apart": bool(torch.equal(logits, apart_logits)),
                        "logits_max_abs_diff_to_apart": (logits - apart_logits).abs().max().item()}
@@ -119,7 +123,8 @@ def bench_prefill(model: PagedLlama, tokens: int, bf16_tflops: float, fp8_tflops
     ms = prompt_ms("fused")
     bound = prefill_bound_s(model, tokens, bf16_tflops, fp8_tflops)
     result = {"tokens": tokens, "ms_p50": ms, "bound_ms": bound["bound_s"] * 1e3,
-              "ratio_to_bound": ms / (bound["bound_s"] * 1e3), **bound}
+              "ratio_to_bound": ms / (bound["bound_s"] * 1e3), **bound,
+              "kernels": kernel_breakdown(lambda: model.prefill(ids, pool, list(range(pages_for(tokens, PAGE_SIZE)))))}
     if model.weights.quantization == "fp8":
         with quantization_apart(model):
             apart_ms = prompt_ms("apart")
