@@ -318,7 +318,9 @@ def test_norms_quantized_as_their_output_would_be(rows, hidden):
     assert_quantized_alike(quantized, quantize_rows(normed), ref_rms_norm(x + residual, weight, EPS))
 
 
-@pytest.mark.parametrize("inter", [64, 4500])  # 4500: three blocks of the row, the last partial
+# 4500: the row in one pass, its block partly masked; 20000: past the one-pass width, in blocks
+# read twice, the last partial.
+@pytest.mark.parametrize("inter", [64, 4500, 20000])
 def test_silu_and_mul_quantized_as_its_output_would_be(inter):
     gen = torch.Generator().manual_seed(inter)
     gate_up = (torch.randn(3, 2 * inter, generator=gen) * 3).to(DEVICE)
@@ -421,7 +423,7 @@ def test_quantized_norms_and_silu_bf16_cuda(rows):
     normed, want_summed = add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(summed, want_summed)
     assert_quantized_alike(quantized, quantize_rows(normed), ref_rms_norm(want_summed, weight, EPS))
-    for inter in (14336, 28672):
+    for inter in (14336, 28672):  # the 8B's row in one pass, the 70B's in two
         gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
         assert_quantized_alike(silu_and_mul_fp8(gate_up), quantize_rows(silu_and_mul(gate_up)),
                                ref_silu_and_mul(gate_up))

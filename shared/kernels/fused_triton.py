@@ -33,10 +33,13 @@ from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, in_fp8_rang
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 # Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs. silu_and_mul_fp8
-# takes a row per program, in blocks of this many columns, twice: for its scale, then to write it
-# (the second pass finds the row in the caches, 16 warps keeping few rows in flight).
+# takes a row per program: up to _SILU_FP8_ONE_PASS columns it holds the whole row in registers and
+# reads gate_up once; a wider row goes in blocks of _SILU_FP8_BLOCK columns, twice: for its scale,
+# then to write it. Two passes over the 8B's rows ran at 0.65 of the copy rate in an 8K prefill
+# (9.4 ms of its 148, H100, docs/BENCHMARKS.md). Compiled for sm_90, a 16384-column row takes 64
+# registers a thread over 16 warps; a 32768-column one spills, even over 32 warps.
 _SILU_BLOCK = 1024
-_SILU_FP8_BLOCK, _SILU_FP8_WARPS = 4096, 16
+_SILU_FP8_BLOCK, _SILU_FP8_WARPS, _SILU_FP8_ONE_PASS = 4096, 16, 16384
 # RMSNorm holds a whole row in registers: one warp per 256 columns, 4 to 16 warps.
 _NORM_COLS_PER_WARP = 256
 # rope_write_kv's rows per program from this many rows on: a prefill chunk's one-row programs (a
@@ -206,21 +209,30 @@ if triton is not None:
     @triton.jit
     def _silu_and_mul_fp8_kernel(
         gate_up_ptr, out_ptr, scale_ptr, inter, stride_in, stride_out,
-        BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        """ONE_PASS: BLOCK covers the row, which stays in registers between its scale and its store."""
         wait_for_previous_kernel(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         row_ptr = gate_up_ptr + row * stride_in
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, inter, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)))
-        scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
-        for start in range(0, inter, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        out_row_ptr = out_ptr + row * stride_out
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
             y = _silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)
-            tl.store(out_ptr + row * stride_out + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
-                     mask=cols < inter)
+            scale = row_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
+            tl.store(out_row_ptr + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty), mask=cols < inter)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, inter, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)))
+            scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
+            for start in range(0, inter, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                y = _silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)
+                tl.store(out_row_ptr + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
+                         mask=cols < inter)
         tl.store(scale_ptr + row, scale)
 
 
@@ -426,9 +438,10 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     out = torch.empty((rows, inter), dtype=FP8, device=gate_up.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
     if rows:
+        one_pass = inter <= _SILU_FP8_ONE_PASS
         _silu_and_mul_fp8_kernel[(rows,)](
             gate_up, out, scale, inter, gate_up.stride(0), out.stride(0),
-            BLOCK=_SILU_FP8_BLOCK, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=_SILU_FP8_WARPS,
-            **pdl_options(gate_up.device),
+            BLOCK=triton.next_power_of_2(inter) if one_pass else _SILU_FP8_BLOCK, ONE_PASS=one_pass,
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=_SILU_FP8_WARPS, **pdl_options(gate_up.device),
         )
     return out, scale
