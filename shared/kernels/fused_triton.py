@@ -37,7 +37,7 @@ from shared.kernels.triton_support import pdl_options, require_triton, tl, trito
 # reads gate_up once; a wider row goes in blocks of _SILU_FP8_BLOCK columns, twice: for its scale,
 # then to write it. Two passes over the 8B's rows ran at 0.65 of the copy rate in an 8K prefill
 # (9.4 ms of its 148, H100, docs/BENCHMARKS.md). Compiled for sm_90, a 16384-column row takes 64
-# registers a thread over 16 warps; a 32768-column one spills, even over 32 warps.
+# registers a thread over 16 warps; a 32768-column one uses stack, even over 32 warps.
 _SILU_BLOCK = 1024
 _SILU_FP8_BLOCK, _SILU_FP8_WARPS, _SILU_FP8_ONE_PASS = 4096, 16, 16384
 # RMSNorm holds a whole row in registers: one warp per 256 columns, 4 to 16 warps.
