@@ -7,8 +7,9 @@
 Measured in the same run: the copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm,
 a scale per row and per column, 8192^3). Each quantization (model.quantization) of the model then
 runs as the workers run it:
-- the decode step, one CUDA graph replay (services/decode/cuda_graphs.py), at each batch size with
-  every request at --context tokens, its pages in each of --kv-dtypes (kv.dtype): p50 of 100, beside
+- the decode step, one CUDA graph replay (services/decode/cuda_graphs.py) over a page table as wide
+  as the decode worker's, at each batch size with every request at --context tokens, its pages in
+  each of --kv-dtypes (kv.dtype): p50 of 100, beside
   its floor, the weight and KV bytes it reads at the copy bandwidth, and its kernels over ten steps
   of a graph captured without programmatic dependent launch, so that each kernel's time is its own
   (loadtest/lib/kernel_profile.py: device time by kind, the busiest kernels, the device's idle time);
@@ -85,9 +86,10 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
     weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, kv_dtype, PAGE_SIZE)
 
     def graphed(batch: int) -> tuple[GraphedDecode, object]:
+        """The step's graph over a page table as wide as the decode worker's (the model's context),
+        which sets the attention's split count (services/decode/rank_engine.py)."""
         allocator = PageAllocator(pages)
-        graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], pages_for(context + PAGE_SIZE, PAGE_SIZE),
-                               [batch])
+        graphs = GraphedDecode(model, pool, allocator.allocate(1)[0], pages_for(model.max_context, PAGE_SIZE), [batch])
         return graphs, decode_batch(allocator, [context] * batch, PAGE_SIZE, "cuda").inputs
 
     def step(batch: int) -> tuple[float, torch.Tensor]:
