@@ -18,7 +18,6 @@ import pytest
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.control import wire
-from shared.control.router_link import LATE_BEAT_WARNING_S
 from shared.control.messages import (
     EXIT_REFUSED,
     PROTOCOL_VERSION,
@@ -40,6 +39,7 @@ from shared.control.messages import (
     TokenBatch,
     TokenOut,
 )
+from shared.control.router_link import LATE_BEAT_WARNING_S
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_hf_config
 from tests.conftest import CACHE_DIR

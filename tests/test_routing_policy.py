@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from services.router.control.registration import RegistrationPolicy
 from services.router.control.request import InflightRequest
@@ -12,6 +13,7 @@ from services.router.validation import Job
 from shared.config.schema import RoutingConfig
 from shared.control.messages import (
     PROTOCOL_VERSION,
+    Heartbeat,
     KvCacheEvents,
     ModelFingerprint,
     Register,
@@ -151,6 +153,22 @@ def test_a_prefill_registering_anew_is_tried_afresh_by_the_decodes_that_could_no
                                                     [], FINGERPRINT))
     assert decode.unreachable == {}
     assert registry.paired()
+
+
+def test_time_the_router_stood_still_is_no_workers_silence():
+    """Heartbeats wait unread while the router's loop stands still: only the time it listened counts."""
+    registry = WorkerRegistry()
+    alive, dead = _worker("decode-0", Role.DECODE), _worker("prefill-0")
+    registry.workers.update({"decode-0": alive, "prefill-0": dead})
+    now = time.monotonic()
+    alive.last_seen, dead.last_seen = now - 5.0, now - 8.0
+    assert registry.silent_since(3.0) == [alive, dead]
+    registry.router_stalled_s += 4.5  # stood still after both were last heard from
+    assert registry.silent_since(3.0) == [dead], "listened 0.5 s for the one, 3.5 s for the other"
+    registry.router_stalled_s += 10.0  # a stall before a heartbeat excuses nothing after it
+    registry.heartbeat(alive, Heartbeat("decode-0", "epoch", 100, 0, 0, 0.0, []))
+    alive.last_seen -= 4.0  # heard from 4 s ago, the router listening since
+    assert registry.silent_since(3.0) == [alive]
 
 
 def test_a_prefills_cache_events_say_which_keys_it_holds():

@@ -9,10 +9,10 @@ a scale per row and per column, 8192^3). Each quantization (model.quantization) 
 runs as the workers run it:
 - the decode step, one CUDA graph replay (services/decode/cuda_graphs.py) over a page table as wide
   as the decode worker's, at each batch size with every request at --context tokens, its pages in
-  each of --kv-dtypes (kv.dtype): p50 of 100, beside
-  its floor, the weight and KV bytes it reads at the copy bandwidth, and its kernels over ten steps
-  of a graph captured without programmatic dependent launch, so that each kernel's time is its own
-  (loadtest/lib/kernel_profile.py: device time by kind, the busiest kernels, the device's idle time);
+  each of --kv-dtypes (kv.dtype): p50 of 100, beside its floor, the weight and KV bytes it reads at
+  the copy bandwidth; and its kernels over ten steps of a graph captured without programmatic
+  dependent launch, so that each kernel's time is its own (loadtest/lib/kernel_profile.py: device
+  time by kind, the busiest kernels, the device's idle time);
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
   attention's at the bf16 rate, and its kernels;
