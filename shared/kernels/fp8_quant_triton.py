@@ -17,7 +17,7 @@ MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaNs
 
 if triton is not None:
 
-    # The two steps of a row's quantization, for every kernel that writes FP8 rows (also the GPU
+    # The steps of a row's quantization, for every kernel that writes FP8 rows (also the GPU
     # prefill's norms and SiLU, shared/kernels/fused_triton.py): one formula, so the rows they
     # write are those quantize_rows would write from their unquantized output.
     @triton.jit
@@ -31,6 +31,13 @@ if triton is not None:
         return tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
 
     @triton.jit
+    def store_fp8_row(out_ptrs, scale_ptr, y, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+        """A whole row y (fp32, zeros where masked) in FP8 at out_ptrs, its scale at scale_ptr."""
+        scale = row_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
+        tl.store(out_ptrs, in_fp8_range(y, scale, FP8_MAX).to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr, scale)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, FP8_MAX: tl.constexpr,
                               MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         # In a decode step it sits between the attention and o_proj's GEMV, which launch early (PDL):
@@ -40,10 +47,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(x), axis=0), FP8_MAX, MIN_SCALE)
-        tl.store(out_ptr + row * stride_out + cols, in_fp8_range(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(scale_ptr + row, scale)
+        store_fp8_row(out_ptr + row * stride_out + cols, scale_ptr + row, x, mask, FP8_MAX, MIN_SCALE)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

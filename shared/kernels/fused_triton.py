@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from shared.kernels import kv_quant
-from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, in_fp8_range, row_scale
+from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE, in_fp8_range, row_scale, store_fp8_row
 from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 # Columns per program of silu_and_mul: a 14336-wide Llama-8B row becomes 14 programs. silu_and_mul_fp8
@@ -75,10 +75,7 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if QUANTIZE:  # from the output rounded to the model's dtype, as quantize_rows reads it
             y = (normed * w).to(x.dtype).to(tl.float32)
-            scale = row_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
-            tl.store(out_ptr + row * stride_out + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.store(scale_ptr + row, scale)
+            store_fp8_row(out_ptr + row * stride_out + cols, scale_ptr + row, y, mask, FP8_MAX, MIN_SCALE)
         else:
             tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -220,8 +217,7 @@ if triton is not None:
         if ONE_PASS:
             cols = tl.arange(0, BLOCK)
             y = _silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)
-            scale = row_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
-            tl.store(out_row_ptr + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty), mask=cols < inter)
+            store_fp8_row(out_row_ptr + cols, scale_ptr + row, y, cols < inter, FP8_MAX, MIN_SCALE)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, inter, BLOCK):
@@ -233,7 +229,7 @@ if triton is not None:
                 y = _silu_times_up(row_ptr, cols, cols < inter, inter).to(tl.float32)
                 tl.store(out_row_ptr + cols, in_fp8_range(y, scale, FP8_MAX).to(out_ptr.dtype.element_ty),
                          mask=cols < inter)
-        tl.store(scale_ptr + row, scale)
+            tl.store(scale_ptr + row, scale)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
