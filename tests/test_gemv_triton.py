@@ -386,44 +386,6 @@ def test_every_config_fp8_weight_at_the_8b_shape_cuda(config, rows, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_prefetching_the_weight_before_the_wait_changes_no_output_cuda(fp8, monkeypatch):
-    """Every config asking L2 for its weight's first lines (gemv_triton.prefetch_bytes) gives the same
-    numbers as without, in a CUDA graph where the kernel before writes the rows the GEMV reads, so each
-    program may start (and prefetch) before they are there."""
-    rows_for = {1: 1, TENSOR_CORE_ROWS: 5}
-    configs = CONFIGS if fp8 else BF16_ON_HOPPER
-    cases = []
-    for config in configs:
-        rows = rows_for.get(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_M"] - 3)
-        if fp8:
-            x, weight, scale, _ = fp8_operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda")
-        else:
-            (x, weight), scale = operands(rows, *LLAMA_8B["o_proj"], torch.bfloat16, "cuda"), None
-        cases.append((config, x, weight, scale))
-    results = {}
-    for nbytes in (0, 8192):
-        monkeypatch.setattr(gemv_triton, "prefetch_bytes", nbytes)
-        for config, x, weight, scale in cases:  # compiled outside the capture
-            gemv(x, weight, config, weight_scale=scale)
-        graph, source = torch.cuda.CUDAGraph(), [torch.randn_like(x) for _, x, _, _ in cases]
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            outs = []
-            for (config, x, weight, scale), new_x in zip(cases, source):
-                x.copy_(new_x * 2)  # the kernel before, writing what the GEMV reads
-                outs.append(gemv(x, weight, config, weight_scale=scale))
-        graph.replay()
-        results[nbytes] = [out.clone() for out in outs]
-        want = [gemv(x, weight, config, weight_scale=scale) for config, x, weight, scale in cases]
-        for got, expected in zip(results[nbytes], want):
-            assert torch.equal(got, expected)
-    for with_prefetch, without in zip(results[8192], results[0]):
-        assert torch.equal(with_prefetch, without)
-
-
-@pytest.mark.gpu
-@needs_cuda
 def test_a_candidate_too_big_for_the_device_is_timed_infinite_cuda():
     from triton.runtime.errors import OutOfResources
 

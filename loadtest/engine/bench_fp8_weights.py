@@ -2,8 +2,7 @@
 
     python -m loadtest.engine.bench_fp8_weights [--model random:llama-3.1-8b] [--quantizations none,fp8]
                                                 [--batches 1,64] [--context 1024] [--kv-dtypes bfloat16]
-                                                [--prefill 8192] [--linear-rows 1,64] [--prefetch 0]
-                                                [--out FILE]
+                                                [--prefill 8192] [--linear-rows 1,64] [--out FILE]
 
 Measured in the same run: the copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm,
 a scale per row and per column, 8192^3). Each quantization (model.quantization) of the model then
@@ -13,9 +12,7 @@ runs as the workers run it:
   each of --kv-dtypes (kv.dtype): p50 of 100, beside its floor, the weight and KV bytes it reads at
   the copy bandwidth; and its kernels over ten steps of a graph captured without programmatic
   dependent launch, so that each kernel's time is its own (loadtest/lib/kernel_profile.py: device
-  time by kind, the busiest kernels, the device's idle time); and the step again for each of
-  --prefetch's byte counts, the GEMV's programs asking L2 for that much of their weight before
-  they wait for the kernel before (gemv_triton.prefetch_bytes);
+  time by kind, the busiest kernels, the device's idle time);
 - the prefill of a --prefill-token prompt, whole: p50 of 3, beside its bound, the linear layers'
   FLOPs at the matmul rate of their weights' type (the lm_head stays bf16) plus the causal
   attention's at the bf16 rate, and its kernels;
@@ -49,7 +46,6 @@ from loadtest.lib.model_costs import kv_token_bytes, prefill_bound_s, weight_byt
 from loadtest.lib.percentiles import quantile
 from loadtest.lib.report import emit
 from services.decode.cuda_graphs import GraphedDecode
-from shared.kernels import gemv_triton
 from shared.kernels.triton_support import allow_pdl
 from shared.kv.pages import PageAllocator, pages_for
 from shared.kv.pool import allocate_local_pool
@@ -74,16 +70,6 @@ def quantization_apart(model: PagedLlama):
 
 
 @contextlib.contextmanager
-def gemv_prefetch(nbytes: int):
-    """The GEMV's programs ask L2 for nbytes of their weight before they wait (0: nothing)."""
-    default, gemv_triton.prefetch_bytes = gemv_triton.prefetch_bytes, nbytes
-    try:
-        yield
-    finally:
-        gemv_triton.prefetch_bytes = default
-
-
-@contextlib.contextmanager
 def fast_accumulation():
     """torch._scaled_mm's products without the periodic promotion to fp32."""
     quantization.fast_accumulation = True
@@ -94,7 +80,7 @@ def fast_accumulation():
 
 
 def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_gbs: float,
-                 kv_dtype: str = "bfloat16", prefetch: tuple[int, ...] = ()) -> list[dict]:
+                 kv_dtype: str = "bfloat16") -> list[dict]:
     pages = max(batches) * pages_for(context + PAGE_SIZE, PAGE_SIZE) + 1
     pool, _ = allocate_local_pool(model.kv_layout(pages, PAGE_SIZE, kv_dtype), "cuda")
     weights, kv_per_token = weight_bytes_per_step(model), kv_token_bytes(model, kv_dtype, PAGE_SIZE)
@@ -129,12 +115,6 @@ def bench_decode(model: PagedLlama, batches: list[int], context: int, bandwidth_
         result = {"kv_dtype": kv_dtype, "batch": batch, "context": context, "step_ms_p50": step_ms,
                   "floor_ms": floor_ms, "ratio_to_floor": step_ms / floor_ms, "tokens_per_s": batch / (step_ms / 1e3),
                   "weight_gb_per_step": weights / 1e9, "kernels_without_pdl": kernels(batch)}
-        for nbytes in prefetch:
-            with gemv_prefetch(nbytes):
-                prefetch_ms, prefetch_logits = step(batch)
-            result.setdefault("prefetch", []).append(
-                {"bytes_per_program": nbytes, "step_ms_p50": prefetch_ms, "ratio_to_floor": prefetch_ms / floor_ms,
-                 "over_default": prefetch_ms / step_ms, "logits_equal": bool(torch.equal(logits, prefetch_logits))})
         if model.weights.quantization == "fp8":
             with quantization_apart(model):
                 apart_ms, apart_logits = step(batch)
@@ -213,8 +193,6 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="bfloat16", help="the decode's pages (kv.dtype), comma-separated")
     parser.add_argument("--prefill", type=int, default=8192, help="prompt tokens; 0 skips the prefill")
     parser.add_argument("--linear-rows", default="1,64", help="rows of the per-matmul timing; empty skips it")
-    parser.add_argument("--prefetch", default="", help="the steps again with the GEMV asking L2 for this many bytes "
-                        "a program before its wait (gemv_triton.prefetch_bytes), comma-separated; empty: no rerun")
     parser.add_argument("--out")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -226,8 +204,7 @@ def main() -> None:
         model = load_paged_llama(args.model, "bfloat16", "cuda", quantization)
         run = {"memory_gib": torch.cuda.memory_allocated() / (1 << 30),
                "decode": [row for kv_dtype in kv_dtypes
-                          for row in bench_decode(model, batches, args.context, bandwidth, kv_dtype,
-                                                  tuple(int(b) for b in args.prefetch.split(",") if b))]}
+                          for row in bench_decode(model, batches, args.context, bandwidth, kv_dtype)]}
         if args.prefill:
             run["prefill"] = bench_prefill(model, args.prefill, bf16_rate, fp8_rate)
         if args.linear_rows:

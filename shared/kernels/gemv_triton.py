@@ -38,8 +38,7 @@ import functools
 import torch
 
 from shared.kernels.fp8_quant_triton import quantize_rows
-from shared.kernels.triton_support import (compiled, pdl_options, prefetch_to_l2, require_triton, tl, triton,
-                                           wait_for_previous_kernel)
+from shared.kernels.triton_support import pdl_options, require_triton, tl, triton, wait_for_previous_kernel
 
 MAX_ROWS = 64
 # The narrowest tensor-core block of rows; the wider ones (32, 64) take only what this one cannot.
@@ -51,12 +50,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 # Columns per program of the split-K sum.
 _SUM_BLOCK = 1024
-# Bytes of its share of the weight that each program asks L2 for before it waits for the kernel
-# before it (0: none). Under programmatic dependent launch a program may start while that kernel
-# still runs: in a small batch's step a norm, the RoPE or the attention, too short to keep HBM busy,
-# so the weight's first lines can come meanwhile. Benchmarks set it (bench_fp8_weights --prefetch).
-prefetch_bytes = 0
-_LINE_BYTES = 128
 
 
 def _config(block_m: int, block_n: int, block_k: int, split_k: int, warps: int, stages: int):
@@ -109,8 +102,9 @@ if triton is not None:
         stride_xm, stride_wn, stride_om,
         DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        wait_for_previous_kernel(USE_PDL)
         split = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -119,15 +113,6 @@ if triton is not None:
         blocks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
         k_begin = split * blocks_per_split * BLOCK_K
         k_end = tl.minimum(K, k_begin + blocks_per_split * BLOCK_K)
-        if PREFETCH_LINES > 0:
-            # No kernel of a step writes a weight, so its lines may be asked for before the wait: the
-            # first columns of every row of this program's share first, as the K loop reads them.
-            line = tl.arange(0, PREFETCH_LINES)
-            line_rows = tl.program_id(0) * BLOCK_N + line % BLOCK_N
-            line_cols = k_begin + (line // BLOCK_N) * LINE_ELEMENTS
-            prefetch_to_l2(w_ptr + line_rows.to(tl.int64) * stride_wn + line_cols,
-                           (line_rows < N) & (line_cols < k_end))
-        wait_for_previous_kernel(USE_PDL)
         # int64 rows: N * K passes 2**31 for large vocabularies.
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
         x_rows = x_ptr + m[:, None] * stride_xm
@@ -279,14 +264,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
         raise ValueError(f"x strides {x.stride()} and weight strides {weight.stride()} need a contiguous last dim")
 
 
-def _prefetch_lines(device: torch.device, launch: dict) -> int:
-    """Lines a program asks L2 for (a power of two, as tl.arange wants): only where it may start
-    before the kernel it follows ends (PDL), and in compiled code (prefetch_to_l2)."""
-    if prefetch_bytes <= 0 or not launch["USE_PDL"] or not compiled(device):
-        return 0
-    return triton.next_power_of_2(max(1, prefetch_bytes // _LINE_BYTES))
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tensor | None = None,
          x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= 64, K], weight [N, K] row-major, with one of CONFIGS: a new
@@ -316,10 +293,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config, weight_scale: torch.Tens
     # Without FP8, scale_ptr and x_scale_ptr are None: the kernel compiles as for the plain weight.
     _gemv_kernel[grid](x_in, weight, weight_scale, x_scale, out, partial, rows, n, k, x_in.stride(0),
                        weight.stride(0), out.stride(0), DOT_PRECISION=precision, FP8=fp8, **config.kwargs,
-                       num_warps=config.num_warps, num_stages=config.num_stages,
-                       PREFETCH_LINES=_prefetch_lines(x.device, launch),
-                       LINE_ELEMENTS=_LINE_BYTES // weight.element_size(),
-                       **launch)
+                       num_warps=config.num_warps, num_stages=config.num_stages, **launch)
     if split_k > 1:
         _split_sum_kernel[(rows, triton.cdiv(n, _SUM_BLOCK))](partial, out, rows, n, out.stride(0),
                                                              SPLIT_K=split_k, BLOCK=_SUM_BLOCK, **launch)

@@ -74,21 +74,3 @@ if triton is not None:
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-
-
-prefetch_to_l2 = None
-if triton is not None:
-
-    @triton.jit
-    def prefetch_to_l2(pointers, mask):
-        """Asks L2 for the 128-byte lines holding these addresses (where mask), and goes on at once:
-        the data is not read here, nothing waits for it, and what a later load finds is the same
-        either way (L2 is where every write of the GPU lands). Compiled code only: the interpreter
-        runs no assembly."""
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred wanted;
-            setp.ne.b32 wanted, $2, 0;
-            @wanted prefetch.global.L2 [$1];
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [pointers, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
