@@ -25,6 +25,8 @@ most keys launch first. Where the numbers can go wrong in FP8, and what is done:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shared.kernels.fp8_quant_triton import FP8, FP8_MAX, MIN_SCALE
@@ -75,10 +77,11 @@ if triton is not None:
 
     @triton.jit
     def _tile(q, acc, m_i, l_i, k_base, stride_kt, v_base, stride_vd, start_n, offs_m, qk_scale, S, offset,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, P_WEIGHT: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, LOG2_P_WEIGHT: tl.constexpr,
               ROUND_FIRST: tl.constexpr):
         """One tile of BLOCK_N keys into the query block's running (acc, max, sum); MASKED: the tile
-        holds keys some of the block's queries may not see (past their diagonal, or past S)."""
+        holds keys some of the block's queries may not see (past their diagonal, or past S). The sum
+        adds the probabilities weighed by P_WEIGHT, as the PV product takes them."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         if MASKED:
@@ -88,15 +91,18 @@ if triton is not None:
         else:
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
             v_t = tl.load(v_base + offs_d[:, None] * stride_vd + offs_n[None, :])
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        # Scores stay the product's own numbers: the max takes the multiplier after (qk_scale > 0),
+        # and each probability's exponent takes it in one fused multiply-add with the running max and
+        # P_WEIGHT's log2, where a multiply of every score and one of every probability came before
+        # (with the MMAs in FP8, the softmax's per-score instructions are the loop's cost).
+        scores = tl.dot(q, tl.trans(k))
         if MASKED:
             seen = (offs_n[None, :] <= offs_m[:, None] + offset) & in_range[None, :]
             scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        weighted = p * P_WEIGHT
+        weighted = tl.math.exp2(scores * qk_scale - (m_new - LOG2_P_WEIGHT)[:, None])
+        l_i = l_i * alpha + tl.sum(weighted, axis=1)
         if ROUND_FIRST:
             weighted = _round_to_e4m3(weighted)
         p8 = weighted.to(v_t.dtype)
@@ -107,7 +113,7 @@ if triton is not None:
     def _fp8_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qk_scale_ptr, v_scale_ptr, T, S,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vh, stride_vd, stride_ot, stride_oh,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, P_WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                            BLOCK_N: tl.constexpr, LOG2_P_WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr):
         # The last query blocks, which see the most keys, first: the short ones fill in behind them.
         block = tl.num_programs(0) - 1 - tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -128,12 +134,12 @@ if triton is not None:
         end = tl.minimum(S, offset + (block + 1) * BLOCK_M)
         for start_n in range(0, unmasked_end, BLOCK_N):
             acc, m_i, l_i = _tile(q, acc, m_i, l_i, k_base, stride_kt, v_base, stride_vd, start_n, offs_m, qk_scale,
-                                  S, offset, BLOCK_N, HEAD_DIM, False, P_WEIGHT, ROUND_FIRST)
+                                  S, offset, BLOCK_N, HEAD_DIM, False, LOG2_P_WEIGHT, ROUND_FIRST)
         for start_n in range(unmasked_end, end, BLOCK_N):
             acc, m_i, l_i = _tile(q, acc, m_i, l_i, k_base, stride_kt, v_base, stride_vd, start_n, offs_m, qk_scale,
-                                  S, offset, BLOCK_N, HEAD_DIM, True, P_WEIGHT, ROUND_FIRST)
+                                  S, offset, BLOCK_N, HEAD_DIM, True, LOG2_P_WEIGHT, ROUND_FIRST)
         v_scale = tl.load(v_scale_ptr + kv_head)
-        out = acc * (v_scale / (l_i * P_WEIGHT))[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < T)
 
@@ -159,6 +165,6 @@ def attention(quantized, scales, scale: float, out_dtype: torch.dtype = torch.bf
     _fp8_prefill_kernel[grid](q, k, v_t, out, qk_scale, v_scale.float().contiguous(), tokens, context,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_t.stride(0), v_t.stride(1),
                               out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                              BLOCK_N=block_n, P_WEIGHT=P_WEIGHT, ROUND_FIRST=not compiled(q.device),
+                              BLOCK_N=block_n, LOG2_P_WEIGHT=math.log2(P_WEIGHT), ROUND_FIRST=not compiled(q.device),
                               num_warps=warps, num_stages=stages)
     return out
