@@ -28,9 +28,9 @@ the bound: this attention's FLOPs at the bf16 matmul rate measured in the same r
   things FlashInfer's own tests of the kernel do that flashinfer_fp8 does not (its bf16 output
   was wrong by as much as the output: docs/BENCHMARKS.md);
 - triton_fp8: shared/kernels/fp8_prefill_attention_triton.py, both products on FP8 tensor cores, q,
-  k and v quantized per head in the call (V transposed); triton_fp8_kernel_MxN_wWsS: the kernel alone
-  on inputs quantized before, for each of its configs (M query rows by N keys a tile, W warps, S
-  stages);
+  k and v quantized per head in the call (V transposed); triton_fp8_kernel_MxN_wWsS[rR]: the kernel
+  alone on inputs quantized before, for each of its configs (M query rows by N keys a tile, W warps,
+  S stages, at most R registers a thread);
 - chosen: attention.prefill_attention, what the prefill runs now.
 Each also reports its first call, synchronized (for a new shape it includes cuDNN's plan build), and
 its largest difference from SDPA's math backend in float32 (beside the largest value, and the two
@@ -196,11 +196,15 @@ FLASHINFER_WAYS = {
 }
 
 
-# Each config of the Triton FP8 kernel alone, named by its query rows and keys a tile, warps and stages;
-# the first also with the quantization in the call.
+def triton_fp8_name(config: fp8_prefill_attention_triton.Config) -> str:
+    """triton_fp8_kernel_MxN_wWsS, and rR where registers are capped at R."""
+    cap = f"r{config.max_registers}" if config.max_registers else ""
+    return f"triton_fp8_kernel_{config.block_m}x{config.block_n}_w{config.warps}s{config.stages}{cap}"
+
+
+# Each config of the Triton FP8 kernel alone; the first also with the quantization in the call.
 TRITON_FP8_WAYS = {"triton_fp8": triton_fp8(fp8_prefill_attention_triton.CONFIGS[0])} | {
-    f"triton_fp8_kernel_{m}x{n}_w{warps}s{stages}": triton_fp8_kernel((m, n, warps, stages))
-    for m, n, warps, stages in fp8_prefill_attention_triton.CONFIGS}
+    triton_fp8_name(config): triton_fp8_kernel(config) for config in fp8_prefill_attention_triton.CONFIGS}
 
 
 def ways(shape: Shape) -> dict:
