@@ -39,6 +39,14 @@ def test_a_weight_quantizes_per_channel_within_e4m3s_rounding():
     assert not back[5].any()
 
 
+def test_a_weight_quantized_in_blocks_of_rows_is_the_same_as_whole():
+    weight = torch.randn(70, 96, dtype=torch.bfloat16)
+    whole = quantize_weight(weight, rows_at_a_time=70)
+    for rows in (1, 16, 69):
+        quantized, scale = quantize_weight(weight, rows_at_a_time=rows)
+        assert torch.equal(quantized.view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(scale, whole[1])
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
 def test_the_product_equals_its_float_reference(rows):
     """Whatever the batch, each row is quantized with its own scale, and the product is that of the

@@ -35,11 +35,23 @@ class Fp8Rows(NamedTuple):
     dtype: torch.dtype    # the model's: the product's
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# Rows of a weight quantized at a time, so that its float32 copies stay small: whole, the 70B's
+# gate_up takes 1.75 GiB a copy, and building the 70B's FP8 weights on an H100 ran out of memory at
+# one (docs/BENCHMARKS.md).
+QUANTIZE_ROWS = 4096
+
+
+def quantize_weight(weight: torch.Tensor, rows_at_a_time: int = QUANTIZE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3 weight [N, K], float32 scale [N]): each output channel scaled so its largest
-    magnitude lands on 448."""
-    scale = (weight.abs().amax(dim=1).float() / FP8_MAX).clamp(min=MIN_SCALE)
-    return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    magnitude lands on 448; rows_at_a_time rows at a time (each row's numbers are its own)."""
+    quantized = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows_at_a_time):
+        block = slice(start, start + rows_at_a_time)
+        rows = weight[block]
+        scale[block] = (rows.abs().amax(dim=1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+        quantized[block] = (rows.float() / scale[block, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized, scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
