@@ -3,8 +3,8 @@
 On Hopper no library kernel gives it: cuDNN's FP8 attention is for Blackwell only, and FlashInfer's
 FA3 FP8 prefill put its output a third of its norm off (docs/BENCHMARKS.md). This one is measured
 beside them by loadtest/engine/bench_prefill_attention.py, with its accuracy against the math
-backend. The prefill does not choose it: on an H100 it ran 1.10x FlashInfer's bf16 kernel at long
-contexts and 0.87x on a whole 8K prompt, not enough for what e4m3 costs in accuracy.
+backend. The prefill does not choose it: on an H100 it ran 1.07-1.15x FlashInfer's bf16 kernel after
+earlier keys and at most 0.97x on a whole 8K prompt, not enough for what e4m3 costs in accuracy.
 
 Inputs in float8_e4m3fn with one float32 scale per head (quantize_for_attention):
     q  [T, H, D]      k  [S, KVH, D]      v_t  [KVH, D, S']   (S' >= S, the tokens contiguous)
