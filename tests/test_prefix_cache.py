@@ -12,7 +12,7 @@ import pytest
 from services.prefill import cache_events
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import PrefixCache
-from shared.kv.page_keys import page_keys
+from shared.kv.page_keys import PageKeys, page_keys
 from shared.kv.pages import PoolExhausted
 
 PAGE = 4
@@ -37,6 +37,33 @@ def test_a_cache_salt_starts_another_chain_of_keys():
     assert page_keys(longer, PAGE, "a")[:3] == salted["a"] and len(salted["a"]) == 3
     groups = [set(plain), *map(set, salted.values())]
     assert sum(map(len, groups)) == len(set().union(*groups))  # no key in two groups
+
+
+def test_page_keys_hash_as_far_as_they_are_read_and_equal_the_whole_chain():
+    prompt = [random.Random(3).randrange(50_000) for _ in range(10 * PAGE + 2)]
+    whole = page_keys(prompt, PAGE, "s")
+    keys = PageKeys(prompt, PAGE, "s")
+    assert (len(keys), keys.hashed) == (10, 0)
+    assert (keys[2], keys.hashed) == (whole[2], 3)
+    assert keys[-1] == whole[-1] and list(keys) == whole
+    for part in (slice(None, -1), slice(None, None, -1), slice(7, 2, -2), slice(-3, None), slice(4, 4)):
+        assert PageKeys(prompt, PAGE, "s")[part] == whole[part]
+    with pytest.raises(IndexError):
+        keys[10]
+
+
+def test_a_lookup_hashes_the_keys_up_to_its_first_miss():
+    """A new prompt costs one hash before its compute; the prefill hashes the rest to store it."""
+    cache = PrefixCache(64, PAGE)
+    head = list(range(3 * PAGE))
+    lease_of(cache, head)
+    keys = PageKeys(head + list(range(500, 500 + 8 * PAGE)), PAGE)
+    lease = cache.acquire(keys, 11 * PAGE)
+    assert (lease.cached_pages, keys.hashed) == (3, 4)
+    keys.hash_all()
+    cache.store(keys, lease)
+    assert cache.reusable_pages(page_keys(head + list(range(500, 500 + 8 * PAGE)) + [1], PAGE), 11 * PAGE + 1) \
+        == lease.pages[:11]
 
 
 def test_a_prompt_reuses_its_longest_cached_prefix_of_full_pages():

@@ -61,6 +61,17 @@ def test_a_cached_prefix_draws_the_prompt_unless_the_queues_are_too_uneven():
     assert blind.pick_prefill([cold, cached], _request(prompt), 4) is cold
 
 
+def test_routing_hashes_a_prompts_pages_only_as_far_as_a_prefill_has_them():
+    """A long prompt no prefill has cached costs the router one page hash, not one a page."""
+    prompt = list(range(1000, 1000 + 512 * PAGE))
+    cached, cold = _worker("prefill-0"), _worker("prefill-1")
+    cached.cached_keys.update(page_keys(prompt, PAGE)[:5])
+    request = _request(prompt)
+    policy = RoutingPolicy(RoutingConfig(), PAGE)
+    assert policy.pick_prefill([cold, cached], request, 4) is cached
+    assert request.page_keys(PAGE).hashed == 6
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_page():
     prompt = list(range(3 * PAGE))
     worker = _worker("prefill-0")

@@ -16,7 +16,9 @@ first token, and a page other requests may read is never written. Hence the cap 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.kv.pages import PageAllocator, PoolExhausted, pages_for
@@ -59,22 +61,23 @@ class PrefixCache:
     def keys(self) -> list[str]:
         return list(self._page_of)
 
-    def reusable_pages(self, keys: list[str], num_tokens: int) -> list[int]:
-        """The cached pages a prompt of num_tokens tokens, whose full pages have these keys, starts with."""
+    def reusable_pages(self, keys: Sequence[str], num_tokens: int) -> list[int]:
+        """The cached pages a prompt of num_tokens tokens, whose full pages have these keys, starts with;
+        keys read up to the first that is not cached (PageKeys hashes no further)."""
         pages = []
-        for key in keys[:(num_tokens - 1) // self.page_size]:
+        for key in itertools.islice(keys, (num_tokens - 1) // self.page_size):
             page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def fits(self, keys: list[str], num_tokens: int) -> bool:
+    def fits(self, keys: Sequence[str], num_tokens: int) -> bool:
         reused = self.reusable_pages(keys, num_tokens)
         unheld = sum(page in self._evictable for page in reused)  # held once reused: not evictable for the rest
         return pages_for(num_tokens, self.page_size) - len(reused) <= self.num_available - unheld
 
-    def acquire(self, keys: list[str], num_tokens: int) -> Lease:
+    def acquire(self, keys: Sequence[str], num_tokens: int) -> Lease:
         """Holds the prompt's cached pages and allocates the others; raises PoolExhausted if they do not fit."""
         if not self.fits(keys, num_tokens):
             raise PoolExhausted(f"need {pages_for(num_tokens, self.page_size)} pages, {self.num_available} available")
@@ -86,7 +89,7 @@ class PrefixCache:
             self._refs[page] = 1
         return Lease(reused + fresh, len(reused))
 
-    def store(self, keys: list[str], lease: Lease) -> None:
+    def store(self, keys: Sequence[str], lease: Lease) -> None:
         """Caches the full pages of a computed prompt. A key cached already keeps its page: the
         lease's copy stays private and is freed with the lease."""
         for key, page in zip(keys[lease.cached_pages:], lease.pages[lease.cached_pages:]):

@@ -37,7 +37,7 @@ from shared.control.dispatch import FatalError
 from shared.control.messages import Abort, ErrorCode, Failed, KvLayout, KvReady, PrefillTask, ReleaseKv, Role
 from shared.control.router_link import WorkerLoad
 from shared.kernels.device import on_stream, worker_stream
-from shared.kv.page_keys import page_keys
+from shared.kv.page_keys import PageKeys
 from shared.kv.pages import pages_for
 from shared.kv.pool import token_bytes
 from shared.model.llama import PagedLlama
@@ -68,7 +68,7 @@ def prefill_layout(config: Config, model: PagedLlama) -> KvLayout:
 @dataclass(frozen=True)
 class Queued:
     task: PrefillTask
-    keys: list[str]  # the prompt's page keys, hashed once on arrival; none with the prefix cache off
+    keys: PageKeys | list[str]  # the prompt's page keys, each hashed when first read; none with the prefix cache off
 
 
 class PrefillWorker(WorkerLoop):
@@ -200,7 +200,7 @@ class PrefillWorker(WorkerLoop):
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.cache.num_pages}"))
             return
-        keys = page_keys(task.prompt_token_ids, self.page_size, task.cache_salt) if self.use_cache else []
+        keys = PageKeys(task.prompt_token_ids, self.page_size, task.cache_salt) if self.use_cache else []
         self.waiting.append(Queued(task, keys))
 
     def _on_release(self, message: ReleaseKv) -> None:
@@ -224,6 +224,8 @@ class PrefillWorker(WorkerLoop):
         self.running, self.abandoned = task.request_id, ""
         try:
             logits = self._run_prompt(prompt, lease.pages, cached_tokens, self._between_chunks)
+            if self.use_cache:  # while the GPU computes: the sample below waits for it, store() reads every key
+                queued.keys.hash_all()
             token = sample(logits[None], [task.sampling], [task.generated])[0]  # syncs: the pages are written
         except PromptAbandoned:
             self.cache.release(lease)

@@ -34,7 +34,7 @@ import structlog
 from services.router.control.worker_records import WorkerRecord
 from services.router.validation import Job
 from shared.control.messages import ErrorCode, FinishReason
-from shared.kv.page_keys import page_keys
+from shared.kv.page_keys import PageKeys
 
 
 log = structlog.get_logger()
@@ -148,7 +148,7 @@ class InflightRequest:
     failed_on: set[str] = field(default_factory=set)
     prefill_retried: bool = False  # it had its one move to another prefill (token_router.py)
     output_token_ids: list[int] = field(default_factory=list)  # handed to the front, in order
-    _page_keys: list[str] | None = None
+    _page_keys: PageKeys | None = None
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -157,11 +157,11 @@ class InflightRequest:
         self.stage = stage
         self.deadline = time.monotonic() + timeout_s
 
-    def page_keys(self, page_size: int) -> list[str]:
-        """The prefix's full pages' keys (shared/kv/page_keys.py), hashed once per placement, when
+    def page_keys(self, page_size: int) -> PageKeys:
+        """The prefix's full pages' keys (shared/kv/page_keys.py), each hashed once per placement, when
         routing first asks."""
         if self._page_keys is None:
-            self._page_keys = page_keys(self.prefix_token_ids(), page_size, self.job.cache_salt)
+            self._page_keys = PageKeys(self.prefix_token_ids(), page_size, self.job.cache_salt)
         return self._page_keys
 
     def prefix_token_ids(self) -> list[int]:
