@@ -232,7 +232,7 @@ def test_the_largest_values_taken_are_kept_whole_and_go_over_the_wire():
     seed is the client's, not masked to 63 bits."""
     built = job(top_k=LIMITS.vocab_size, seed=MAX_SEED, max_tokens=LIMITS.max_context)
     assert (built.sampling.top_k, built.sampling.seed) == (LIMITS.vocab_size, MAX_SEED)
-    task = PrefillTask("r", built.prompt_token_ids, built.cache_salt, built.sampling, built.stop)
+    task = PrefillTask("r", wire.pack_token_ids(built.prompt_token_ids), built.cache_salt, built.sampling, built.stop)
     assert wire.decode(wire.encode(task)) == task
 
 

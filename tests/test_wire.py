@@ -38,7 +38,7 @@ SAMPLES = [
     m.PoolAvailable("prefill-0", HANDLES),
     m.PoolGone("prefill-0"),
     m.PoolUnreachable("prefill-0", "no backend here pulls a 'nixl' pool"),
-    m.PrefillTask("req-1", [1, 2, 3, 49151], "tenant-a", SAMPLING, STOP, generated=2),
+    m.PrefillTask("req-1", wire.pack_token_ids([1, 2, 3, 49151]), "tenant-a", SAMPLING, STOP, generated=2),
     m.KvReady("req-1", "prefill-0", wire.pack_page_ids([0, 5, 7]), 40, 17, None, compute_s=0.25, cached_tokens=32),
     m.KvReady("req-2", "prefill-0", wire.pack_page_ids([3]), 2, 2, m.FinishReason.STOP, compute_s=0.1,
               cached_tokens=0),
@@ -91,6 +91,7 @@ def _frame(*items) -> bytes:
 
 HEARTBEAT = int(m.MsgKind.HEARTBEAT)
 PREFILL_TASK = int(m.MsgKind.PREFILL_TASK)
+ONE_TOKEN = wire.pack_token_ids([1])
 SAMPLING_RAW = [0.7, 0.9, 40, 1]
 STOP_RAW = [16, False]
 
@@ -112,12 +113,11 @@ BAD_FRAMES = {
     "int for str": _frame(HEARTBEAT, 7, "e", 1, 0, 0, 0.0, []),
     "str for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, "now", []),
     "bool for float": _frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, True, []),
-    "str for int list": _frame(PREFILL_TASK, "r", "1 2 3", "", SAMPLING_RAW, STOP_RAW, 0),
-    "str inside int list": _frame(PREFILL_TASK, "r", [1, "2"], "", SAMPLING_RAW, STOP_RAW, 0),
-    "bool inside int list": _frame(PREFILL_TASK, "r", [1, True], "", SAMPLING_RAW, STOP_RAW, 0),
-    "nested struct wrong count": _frame(PREFILL_TASK, "r", [1], "", [0.7, 0.9, 40], STOP_RAW, 0),
-    "nested struct as map": _frame(PREFILL_TASK, "r", [1], "", {"temperature": 0.7}, STOP_RAW, 0),
-    "bool field given int": _frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, [16, 0], 0),
+    "str for packed token ids": _frame(PREFILL_TASK, "r", "1 2 3", "", SAMPLING_RAW, STOP_RAW, 0),
+    "int list for packed token ids": _frame(PREFILL_TASK, "r", [1, 2], "", SAMPLING_RAW, STOP_RAW, 0),
+    "nested struct wrong count": _frame(PREFILL_TASK, "r", ONE_TOKEN, "", [0.7, 0.9, 40], STOP_RAW, 0),
+    "nested struct as map": _frame(PREFILL_TASK, "r", ONE_TOKEN, "", {"temperature": 0.7}, STOP_RAW, 0),
+    "bool field given int": _frame(PREFILL_TASK, "r", ONE_TOKEN, "", SAMPLING_RAW, [16, 0], 0),
     "invalid role": _frame(int(m.MsgKind.REGISTER), "w", "router", 2, "i", 1, 1, 16, 0, None,
                            ["c", "w", "t", "float32", "layers=1"]),
     "invalid finish reason": _frame(int(m.MsgKind.KV_READY), "r", "p", b"\0\0\0\0", 1, 2, "eos", 0.0, 0),
@@ -144,11 +144,11 @@ def _oversized_but_well_formed() -> dict[str, bytes]:
     own defaults, derived from the buffer size, would let each of them through)."""
     locator = b"x" * (wire.MAX_FRAME_BYTES - 100)  # under max_bin_len; the frame is over the limit
     layout = [1, 1, 1, 1, 1, "float32", 256]
-    too_many_tokens = list(range(wire.MAX_ARRAY_LEN + 1))
+    too_many_keys = ["k"] * (wire.MAX_ARRAY_LEN + 1)
     return {
         "valid message over MAX_FRAME_BYTES":
             _frame(int(m.MsgKind.POOL_AVAILABLE), "p" * 200, ["shm", locator, layout]),
-        "prompt over MAX_ARRAY_LEN": _frame(PREFILL_TASK, "r", too_many_tokens, "", SAMPLING_RAW, STOP_RAW, 0),
+        "page keys over MAX_ARRAY_LEN": _frame(int(m.MsgKind.KV_CACHE_EVENTS), "p", too_many_keys, [], False),
         "worker id over MAX_STR_BYTES": _frame(HEARTBEAT, "w" * (wire.MAX_STR_BYTES + 1), 1, 0, 0),
     }
 
@@ -181,15 +181,21 @@ def test_sample_frames_for_bad_cases_are_otherwise_well_formed():
     """The bad frames above differ from valid ones only in the flaw they name."""
     assert wire.decode(_frame(HEARTBEAT, "decode-0", "e", 1, 0, 0, 0.0, [])) == m.Heartbeat(
         "decode-0", "e", 1, 0, 0, 0.0, [])
-    assert wire.decode(_frame(PREFILL_TASK, "r", [1], "", SAMPLING_RAW, STOP_RAW, 0)) == m.PrefillTask(
-        "r", [1], "", m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False))
+    assert wire.decode(_frame(PREFILL_TASK, "r", ONE_TOKEN, "", SAMPLING_RAW, STOP_RAW, 0)) == m.PrefillTask(
+        "r", ONE_TOKEN, "", m.SamplingParams(0.7, 0.9, 40, 1), m.StopParams(16, False))
+    assert wire.decode(_frame(int(m.MsgKind.KV_CACHE_EVENTS), "p", ["k"] * wire.MAX_ARRAY_LEN, [], False)) \
+        == m.KvCacheEvents("p", ["k"] * wire.MAX_ARRAY_LEN, [], False)
     assert wire.decode(_frame(int(m.MsgKind.TOKEN_BATCH), [["r", 1, None]], 2.5, [["r", 0.5]])) == m.TokenBatch(
         [m.TokenOut("r", 1, None)], 2.5, [m.Joined("r", 0.5)])
 
 
-def test_a_prompt_of_max_array_len_tokens_decodes():
-    task = m.PrefillTask("long", list(range(wire.MAX_ARRAY_LEN)), "", SAMPLING, STOP)
-    assert wire.decode(wire.encode(task)).prompt_token_ids == task.prompt_token_ids
+def test_a_prompt_of_the_longest_context_travels_packed_and_comes_back_whole():
+    """A million ids (twice the 512K context): 8 MB, within a frame; the ids come back as they went."""
+    token_ids = list(range(wire.MAX_ARRAY_LEN - 3)) + [2 ** 31 - 1, 0, 128_255]
+    task = m.PrefillTask("long", wire.pack_token_ids(token_ids), "", SAMPLING, STOP)
+    assert wire.unpack_token_ids(wire.decode(wire.encode(task)).prompt_token_ids).tolist() == token_ids
+    with pytest.raises(wire.WireError, match="not whole"):
+        wire.unpack_token_ids(task.prompt_token_ids[:-1])
 
 
 @pytest.mark.e2e

@@ -12,6 +12,7 @@ import structlog
 
 from services.prefill.rank_pools import export_rank_pool
 from services.prefill.worker import PREFILL, PromptAbandoned, prefill_layout
+from shared.control import wire
 from shared.control.dispatch import FatalError
 from shared.kernels.device import on_stream, worker_stream
 from shared.worker.main import WorkerProcess
@@ -36,7 +37,8 @@ def follow(worker: WorkerProcess) -> None:
                 if name == STOP:
                     return
                 if name == PREFILL:
-                    prompt, pages, start = args
+                    packed, pages, start = args
+                    prompt = wire.unpack_token_ids(packed)
                     try:
                         model.prefill(prompt, exported.pool, pages, config.prefill.chunk_tokens, after_chunk, start)
                     except PromptAbandoned:

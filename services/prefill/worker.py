@@ -20,8 +20,10 @@ prefill.prefix_cache off, no key is computed, so nothing is cached and every pro
 
 from __future__ import annotations
 
+import array
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -68,6 +70,7 @@ def prefill_layout(config: Config, model: PagedLlama) -> KvLayout:
 @dataclass(frozen=True)
 class Queued:
     task: PrefillTask
+    prompt: array.array  # the task's token ids, unpacked once
     keys: PageKeys | list[str]  # the prompt's page keys, each hashed when first read; none with the prefix cache off
 
 
@@ -118,10 +121,10 @@ class PrefillWorker(WorkerLoop):
                 self._run_prompt(warmup.prompt, warmup.pages, warmup.start, lambda: None)
         torch.cuda.synchronize(self.model.device)
 
-    def _run_prompt(self, prompt: list[int], pages: list[int], start: int, between_chunks) -> torch.Tensor:
+    def _run_prompt(self, prompt: Sequence[int], pages: list[int], start: int, between_chunks) -> torch.Tensor:
         """The prompt's forward pass on every rank (services/prefill/follower.py runs the others'),
         between_chunks deciding for all of them whether it goes on; the last position's logits."""
-        self.ranks.lead(PREFILL, prompt, pages, start)
+        self.ranks.lead(PREFILL, wire.pack_token_ids(prompt), pages, start)
 
         def after_chunk() -> None:
             try:
@@ -183,7 +186,7 @@ class PrefillWorker(WorkerLoop):
         if not self.waiting:
             return False
         head = self.waiting[0]
-        return self.cache.fits(head.keys, len(head.task.prompt_token_ids))
+        return self.cache.fits(head.keys, len(head.prompt))
 
     def _between_chunks(self) -> None:
         """The liveness of a long prompt (receiving is the loop coming round) and its cancellation.
@@ -195,13 +198,14 @@ class PrefillWorker(WorkerLoop):
             raise PromptAbandoned(self.abandoned)
 
     def _on_task(self, task: PrefillTask) -> None:
-        needed = pages_for(len(task.prompt_token_ids), self.page_size)
-        if not task.prompt_token_ids or needed > self.cache.num_pages:
+        prompt = wire.unpack_token_ids(task.prompt_token_ids)
+        needed = pages_for(len(prompt), self.page_size)
+        if not prompt or needed > self.cache.num_pages:
             self.link.send(Failed(task.request_id, ErrorCode.RESOURCE_EXHAUSTED,
                                   f"prompt needs {needed} KV pages; the prefill pool has {self.cache.num_pages}"))
             return
-        keys = PageKeys(task.prompt_token_ids, self.page_size, task.cache_salt) if self.use_cache else []
-        self.waiting.append(Queued(task, keys))
+        keys = PageKeys(prompt, self.page_size, task.cache_salt) if self.use_cache else []
+        self.waiting.append(Queued(task, prompt, keys))
 
     def _on_release(self, message: ReleaseKv) -> None:
         lease = self.held.pop(message.request_id, None)
@@ -215,7 +219,7 @@ class PrefillWorker(WorkerLoop):
         self.waiting = deque(queued for queued in self.waiting if queued.task.request_id != message.request_id)
 
     def _prefill(self, queued: Queued) -> None:
-        task, prompt = queued.task, queued.task.prompt_token_ids
+        task, prompt = queued.task, queued.prompt
         started = time.perf_counter()
         lease = self.cache.acquire(queued.keys, len(prompt))
         cached_tokens = lease.cached_pages * self.page_size

@@ -54,7 +54,7 @@ class ErrorCode(StrEnum):
 
 
 # Bumped on any change to the messages below: the router refuses a worker of another version.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Exit status of a service refused (EX_CONFIG), by the router or at its own start (an address or
 # the runtime folder taken, a checkpoint it cannot serve): restarting it would be refused again,
@@ -247,7 +247,7 @@ class KvCacheEvents:
 @dataclass(frozen=True)
 class PrefillTask:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: bytes  # packed (wire.pack_token_ids)
     # Salts the prompt's prefix-cache keys (shared/kv/page_keys.py): pages are shared only between
     # prompts of one salt, so a client cannot tell from cached tokens what others sent. "": none.
     cache_salt: str

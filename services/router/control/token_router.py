@@ -40,6 +40,7 @@ from services.router.control.routing import RoutingPolicy
 from services.router.control.worker_records import WorkerRecord, WorkerRegistry
 from services.router.control.worker_socket import WorkerSocket
 from shared.config.schema import Config
+from shared.control import wire
 from shared.control.dispatch import Dispatcher
 from shared.control.messages import (
     Abort,
@@ -148,8 +149,9 @@ class TokenRouter:
         cannot be sent (admission reserves for the request only once this has returned)."""
         request.enter(Stage.PREFILL, self.settings.prefill_timeout_s)
         job = request.job
-        self.socket.send(request.prefill, PrefillTask(request.request_id, request.prefix_token_ids(), job.cache_salt,
-                                                      job.sampling, job.stop, len(request.output_token_ids)))
+        prompt = wire.pack_token_ids(request.prefix_token_ids())
+        self.socket.send(request.prefill, PrefillTask(request.request_id, prompt, job.cache_salt, job.sampling, job.stop,
+                                                      len(request.output_token_ids)))
         self.requests[request.request_id] = request
 
     def _end(self, request: InflightRequest, event: object | None = None) -> None:
