@@ -12,10 +12,15 @@ import pytest
 from services.prefill import cache_events
 from services.prefill.cache_events import CacheEvents
 from services.prefill.prefix_cache import PrefixCache
-from shared.kv.page_keys import PageKeys, page_keys
+from shared.kv.page_keys import PageKeys
 from shared.kv.pages import PoolExhausted
 
 PAGE = 4
+
+
+def page_keys(token_ids: list[int], page_size: int, salt: str = "") -> list[str]:
+    """Every full page's key, hashed at once."""
+    return list(PageKeys(token_ids, page_size, salt))
 
 
 def lease_of(cache: PrefixCache, prompt: list[int]):

@@ -21,9 +21,14 @@ from shared.control.messages import (
     SamplingParams,
     StopParams,
 )
-from shared.kv.page_keys import page_keys
+from shared.kv.page_keys import PageKeys
 
 PAGE = 16
+
+
+def page_keys(token_ids: list[int], page_size: int, salt: str = "") -> list[str]:
+    """Every full page's key, hashed at once."""
+    return list(PageKeys(token_ids, page_size, salt))
 FINGERPRINT = ModelFingerprint("c", "w", "t", "float32", "layers=1")
 
 

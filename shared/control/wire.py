@@ -70,7 +70,7 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 
 
 def unpack_token_ids(packed: bytes) -> array.array:
-    """The ids as an array of their own (writable, so torch.frombuffer can take it without a copy)."""
+    """The ids as an int64 array."""
     if len(packed) % TOKEN_ID_BYTES:
         raise WireError(f"{len(packed)} bytes are not whole {TOKEN_ID_BYTES}-byte token ids")
     token_ids = array.array(TOKEN_ID_TYPECODE)
