@@ -164,7 +164,7 @@ def test_the_router_samples_unset_fields_by_the_models_generation_config(checkpo
                 task = prefill.receive(PrefillTask)
                 sampled.append(task.sampling)
                 prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([0]),
-                                     len(task.prompt_token_ids), 42, FinishReason.LENGTH, 0.0, 0))
+                                     len(wire.unpack_token_ids(task.prompt_token_ids)), 42, FinishReason.LENGTH, 0.0, 0))
                 assert prefill.receive(ReleaseKv).request_id == task.request_id
                 assert [t for chunk in call.result(timeout=30) for t in chunk.token_ids] == [42]
     finally:

@@ -381,7 +381,7 @@ def test_messages_about_a_request_count_only_from_its_own_workers(router_and_pee
         call = pool.submit(lambda: list(stack.stub.Generate(_greedy("Hello", 100), timeout=60)))
         task = prefill.receive(PrefillTask)
         rid = task.request_id
-        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(task.prompt_token_ids), 42, None, 0.0, 0))
+        prefill.send(KvReady(rid, "prefill-0", wire.pack_page_ids([0]), len(wire.unpack_token_ids(task.prompt_token_ids)), 42, None, 0.0, 0))
         assert decode.receive(DecodeTask).request_id == rid
         # Forgeries: the other decode, and the prefill speaking as a decode.
         other.send(TokenBatch([TokenOut(rid, 666, FinishReason.LENGTH)]))
@@ -408,7 +408,7 @@ def test_a_cancel_during_the_pull_gives_the_prefills_pages_back_at_once(router_a
     prefill, decode = peers["prefill"], peers["decode"]
     stream = stack.stub.Generate(_greedy("Hello", 100), timeout=60)  # only decode-0 holds 100 tokens
     task = prefill.receive(PrefillTask)
-    prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([3]), len(task.prompt_token_ids), 42, None,
+    prefill.send(KvReady(task.request_id, "prefill-0", wire.pack_page_ids([3]), len(wire.unpack_token_ids(task.prompt_token_ids)), 42, None,
                          0.0, 0))
     assert next(stream).token_ids == [42]
     assert decode.receive(DecodeTask).request_id == task.request_id
