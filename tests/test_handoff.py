@@ -48,7 +48,7 @@ def test_pull_copies_the_prompt_pages_and_lands_once(prefill, puller):
     [landed] = puller.landed()
     assert landed.request_id == "r1" and landed.prefill_worker_id == "prefill-0"
     assert started <= landed.landed.at <= time.perf_counter()
-    assert landed.pull_s == pytest.approx(landed.landed.at - started, abs=1e-3)
+    assert 0 < landed.pull_s <= landed.landed.at - started  # from the transfer's own start, after ours
     for src, dst in ((9, 4), (2, 0), (5, 3)):
         assert torch.equal(puller.local.kv[:, dst], prefill.pool.kv[:, src])
     assert torch.all(puller.local.kv[:, [1, 2, 5]] == -7.0)  # the 4th page is beyond the prompt
