@@ -124,7 +124,8 @@ class PrefillWorker(WorkerLoop):
     def _run_prompt(self, prompt: Sequence[int], pages: list[int], start: int, between_chunks) -> torch.Tensor:
         """The prompt's forward pass on every rank (services/prefill/follower.py runs the others'),
         between_chunks deciding for all of them whether it goes on; the last position's logits."""
-        self.ranks.lead(PREFILL, wire.pack_token_ids(prompt), pages, start)
+        if self.ranks.size > 1:  # the followers' copy of the prompt: one rank packs nothing
+            self.ranks.lead(PREFILL, wire.pack_token_ids(prompt), pages, start)
 
         def after_chunk() -> None:
             try:
