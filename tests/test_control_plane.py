@@ -141,16 +141,17 @@ def _finished_labels(stack) -> list[str]:
 def test_a_stalled_stream_holds_no_kv_room_once_the_decode_is_done(checkpoint, tmp_path):
     """Decode room for one request: the second is admitted as soon as the decode has finished the
     first, while the first's stream still waits for its client to read."""
-    # 30 pages of 16 tokens: the first takes 23 of them, the second wants 13.
-    settings = {"PDSERVE_KV_DECODE_PAGES": "30", "PDSERVE_ROUTER_STALL_TIMEOUT_S": "600",
+    # 22 pages of 16 tokens: the first (300 tokens, past the ~200 that fill its window) takes 20 of
+    # them, the second wants 3.
+    settings = {"PDSERVE_KV_DECODE_PAGES": "22", "PDSERVE_ROUTER_STALL_TIMEOUT_S": "600",
                 "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "300"}
     with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
-        channel, unread = _unread_call(stack, 360)
+        channel, unread = _unread_call(stack, 300)
         try:
             time.sleep(1.0)
-            assert len(_token_ids(stack.stub, _greedy("Hi", 200), timeout=600)) == 200
+            assert len(_token_ids(stack.stub, _greedy("Hi", 40), timeout=600)) == 40
             assert STALLED_LABEL not in _finished_labels(stack), "the first stream was not stalled: no test"
-            assert sum(len(c.token_ids) for c in unread) == 360, "the unread call still gets every token"
+            assert sum(len(c.token_ids) for c in unread) == 300, "the unread call still gets every token"
         finally:
             channel.close()
         stack.assert_pools_drained()
@@ -273,7 +274,7 @@ def test_a_full_slow_batch_makes_the_next_request_wait_in_admission_not_fail_at_
     settings = {"PDSERVE_DECODE_MAX_BATCH_SIZE": "1", "PDSERVE_ROUTER_HANDOFF_TIMEOUT_S": "2",
                 "PDSERVE_KV_TRANSFER_TIMEOUT_S": "1", "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "120"}
     with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack, ThreadPoolExecutor(1) as pool:
-        first = stack.stub.Generate(_greedy("Count to one thousand:", 300), timeout=120)
+        first = stack.stub.Generate(_greedy("Count to one thousand:", 150), timeout=120)
         received = len(next(first).token_ids)
         second = pool.submit(_outcome, stack.stub, _greedy("Hello", 8))
         deadline = time.monotonic() + stack.config.router.admission_timeout_s
@@ -281,7 +282,7 @@ def test_a_full_slow_batch_makes_the_next_request_wait_in_admission_not_fail_at_
             time.sleep(0.05)
         assert stack.metric("pdserve:num_requests_waiting") == 1, second.result()  # before the fix: placed at once
         received += sum(len(chunk.token_ids) for chunk in first)
-        assert (received, second.result(timeout=120)) == (300, 8)
+        assert (received, second.result(timeout=120)) == (150, 8)
 
 
 # ---- registration as a handshake ----

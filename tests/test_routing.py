@@ -76,7 +76,7 @@ def test_a_killed_prefill_loses_none_of_its_queued_requests(checkpoint, tmp_path
     """Prompts queue on both prefills; one is killed: each of its requests moves, once, to the other
     before its first token, and the client sees no error."""
     with ServiceStack(tmp_path, CACHE_DIR, prefill=2, decode=1, **FAST_HEARTBEATS) as stack:
-        prompts = [[1000 + (i * 37 + j) % 5000 for j in range(1200)] for i in range(4)]
+        prompts = [[1000 + (i * 37 + j) % 5000 for j in range(600)] for i in range(4)]  # ~5 s each alone
         with ThreadPoolExecutor(len(prompts)) as pool:
             calls = [pool.submit(_token_ids, stack.stub, _greedy(token_ids=p, max_tokens=4)) for p in prompts]
             time.sleep(1.5)  # each prefill computes one and queues the others
