@@ -141,17 +141,17 @@ def _finished_labels(stack) -> list[str]:
 def test_a_stalled_stream_holds_no_kv_room_once_the_decode_is_done(checkpoint, tmp_path):
     """Decode room for one request: the second is admitted as soon as the decode has finished the
     first, while the first's stream still waits for its client to read."""
-    # 22 pages of 16 tokens: the first (300 tokens, past the ~200 that fill its window) takes 20 of
-    # them, the second wants 3.
-    settings = {"PDSERVE_KV_DECODE_PAGES": "22", "PDSERVE_ROUTER_STALL_TIMEOUT_S": "600",
+    # 24 pages of 16 tokens: the first (340 tokens, well past the ~200 chunks that fill its window,
+    # should the router coalesce a few) takes 22 of them, the second wants 3.
+    settings = {"PDSERVE_KV_DECODE_PAGES": "24", "PDSERVE_ROUTER_STALL_TIMEOUT_S": "600",
                 "PDSERVE_ROUTER_ADMISSION_TIMEOUT_S": "300"}
     with ServiceStack(tmp_path, CACHE_DIR, **settings) as stack:
-        channel, unread = _unread_call(stack, 300)
+        channel, unread = _unread_call(stack, 340)
         try:
             time.sleep(1.0)
             assert len(_token_ids(stack.stub, _greedy("Hi", 40), timeout=600)) == 40
             assert STALLED_LABEL not in _finished_labels(stack), "the first stream was not stalled: no test"
-            assert sum(len(c.token_ids) for c in unread) == 300, "the unread call still gets every token"
+            assert sum(len(c.token_ids) for c in unread) == 340, "the unread call still gets every token"
         finally:
             channel.close()
         stack.assert_pools_drained()

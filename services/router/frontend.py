@@ -138,9 +138,13 @@ class Generation:
             self.timer.failed("UNKNOWN")
 
     async def deliver(self, write: Awaitable) -> None:
-        """A write waits while the client's window or socket buffer is full: a client that stops reading."""
+        """A write waits while the client's window or socket buffer is full: a client that stops reading.
+        asyncio.timeout, not wait_for: Python 3.11's wait_for returns the write's result when the
+        client's cancel lands as the write completes, and the handler then waited for tokens of a
+        request nobody reads (a CI run's decode never heard Abort)."""
         try:
-            await asyncio.wait_for(write, self.frontend.stall_timeout_s)
+            async with asyncio.timeout(self.frontend.stall_timeout_s):
+                await write
         except TimeoutError:
             log.warning("cancelling a stream its client stopped reading")
             self.timer.failed("CANCELLED")

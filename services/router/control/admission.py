@@ -73,7 +73,8 @@ class Admission:
         entry = (request, placed)
         self.waiting.append(entry)
         try:
-            await asyncio.wait_for(placed, self.config.admission_timeout_s)
+            async with asyncio.timeout(self.config.admission_timeout_s):  # a cancel is never swallowed (frontend.py)
+                await placed
         except TimeoutError:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, "no KV room became free within "
                                f"{self.config.admission_timeout_s} s") from None
