@@ -229,7 +229,8 @@ def test_the_kernels_before_the_products_quantize_as_the_products_would(tmp_path
     (PagedLlama.fp8_rows_fused) give the logits and pages that quantizing it in a kernel of its own
     gives, bit for bit. Both ways quantize with the GPU's kernel, quantize_rows, on the CPU too: the
     interpreter's FP8 cast is not PyTorch's (tests/triton_cast.py). The RoPE runs blocks of rows a
-    program: interpreted one row a program, it took two thirds of this test (test_fused_triton.py checks both)."""
+    program: interpreted one row a program, it took two thirds of this test (test_fused_triton.py
+    checks both)."""
     from shared.kernels import fused_triton
     from shared.model import quantization
 
