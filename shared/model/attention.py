@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from shared.kernels import flashinfer_prefill, kv_quant, paged_attention_triton
 from shared.model import split_attention
@@ -73,13 +72,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         # GQA only where the heads differ: on the GPU it rules out SDPA's memory-efficient kernel,
         # the one that takes MLA's keys and values of different widths (shared/model/mla.py).
         grouped = q.shape[1] != k.shape[1]
-        sdpa_args = {"is_causal": True} if context == length else {"attn_mask": causal_lower_right(length, context)}
+        sdpa_args = {"is_causal": True} if context == length else {"attn_mask": _bottom_right_causal(length, context, q)}
         sdpa_args["enable_gqa"] = grouped
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, **sdpa_args,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _bottom_right_causal(length: int, context: int, q: torch.Tensor):
+    """The causal mask of T queries that follow S - T earlier keys. On the CPU as the [T, S] bool
+    mask SDPA makes of causal_lower_right there, without importing torch.nn.attention.bias: that
+    loads torch._dynamo, 1.8 s of every worker's start. On a GPU, causal_lower_right, which SDPA's
+    fused kernels take without a mask in memory."""
+    if not q.is_cuda:
+        return _window_mask(length, context, context, q.device)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(length, context)
 
 
 def _window_mask(length: int, context: int, window: int, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,8 @@ than an H200 holds, and 70 GB in FP8. Two sources:
                     once, one matrix at a time (model.quantization = "fp8" with random:<preset>);
   FP8 checkpoints   safetensors whose config.json has a quantization_config of the compressed-tensors
                     "float-quantized" format (8-bit float weights, a scale per channel or per tensor)
-                    or FBGEMM's fp8 (a scale per channel): the weights are taken as they are stored.
+                    or FBGEMM's fp8 (a scale per channel): the weights are taken as they are stored
+                    (shared/model/checkpoint_weights.py reads them).
 
 Either way each layer's q/k/v and gate/up are fused as the unquantized model fuses them, their
 scales side by side (a per-tensor scale becomes that tensor's rows' scale).
@@ -13,14 +14,12 @@ scales side by side (a per-tensor scale becomes that tensor's rows' scale).
 
 from __future__ import annotations
 
-import importlib
 import json
-from pathlib import Path
 
 import torch
 
-from shared.model.weights import LayerWeights, LlamaWeights, rope_tables
-from shared.model.quantization import FP8, quantize_weight
+from shared.model.weights import LayerWeights, LlamaWeights, rope_frequencies, rope_tables
+from shared.model.quantization import quantize_weight
 
 
 class UnsupportedQuantization(ValueError):
@@ -71,61 +70,7 @@ def random_fp8_weights(config, dtype: torch.dtype, device: torch.device | str, s
                             **{name: w for name, (w, _) in tensors.items()},
                             **{f"{name}_scale": s for name, (_, s) in tensors.items()})
 
-    cos, sin = rope_tables(_rotary(config), config.max_position_embeddings, dtype)
+    cos, sin = rope_tables(*rope_frequencies(config), config.max_position_embeddings, dtype)
     return LlamaWeights(embed=normal(config.vocab_size, hidden), final_norm=torch.ones(hidden, device=device, dtype=dtype),
                         lm_head=normal(config.vocab_size, hidden), cos=cos.to(device), sin=sin.to(device),
                         layers=[layer() for _ in range(config.num_hidden_layers)])
-
-
-def fp8_checkpoint_weights(folder: Path, config, dtype: torch.dtype, device: torch.device | str) -> LlamaWeights:
-    """An FP8 checkpoint's weights as stored; what is not quantized (embeddings, norms, the lm_head
-    under `ignore`, biases) in the model's dtype."""
-    from safetensors.torch import load_file
-
-    stored: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        stored.update(load_file(str(path), device=str(device)))
-
-    def plain(name: str) -> torch.Tensor:
-        return stored[name].to(dtype)
-
-    def projections(prefix: str, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, scales = [], []
-        for name in names:
-            weight = stored[f"{prefix}.{name}.weight"]
-            if weight.dtype != FP8:  # a layer the checkpoint left unquantized
-                weight, scale = quantize_weight(weight.to(dtype))
-            else:
-                scale = stored[f"{prefix}.{name}.weight_scale"].float().flatten()
-                scale = scale.expand(weight.shape[0]) if scale.numel() == 1 else scale
-            weights.append(weight)
-            scales.append(scale)
-        return torch.cat(weights), torch.cat(scales).contiguous()
-
-    def bias(prefix: str) -> torch.Tensor | None:
-        names = [f"{prefix}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
-        return torch.cat([plain(n) for n in names]) if names[0] in stored else None
-
-    layers = []
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}"
-        fused = {"qkv": projections(f"{prefix}.self_attn", ["q_proj", "k_proj", "v_proj"]),
-                 "o_proj": projections(f"{prefix}.self_attn", ["o_proj"]),
-                 "gate_up": projections(f"{prefix}.mlp", ["gate_proj", "up_proj"]),
-                 "down": projections(f"{prefix}.mlp", ["down_proj"])}
-        layers.append(LayerWeights(input_norm=plain(f"{prefix}.input_layernorm.weight"),
-                                   post_norm=plain(f"{prefix}.post_attention_layernorm.weight"), qkv_bias=bias(prefix),
-                                   **{name: w for name, (w, _) in fused.items()},
-                                   **{f"{name}_scale": s for name, (_, s) in fused.items()}))
-    embed = plain("model.embed_tokens.weight")
-    lm_head = plain("lm_head.weight") if "lm_head.weight" in stored else embed  # tied embeddings
-    cos, sin = rope_tables(_rotary(config), config.max_position_embeddings, dtype)
-    return LlamaWeights(embed=embed, final_norm=plain("model.norm.weight"), lm_head=lm_head, cos=cos.to(device),
-                        sin=sin.to(device), layers=layers)
-
-
-def _rotary(config):
-    """The model type's own rotary embedding module (Llama's, Qwen2's, Mistral's), on the CPU."""
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    rotary_class = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
-    return rotary_class(config)

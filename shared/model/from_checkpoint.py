@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from shared.model import presets
-from shared.model.fp8_weights import fp8_checkpoint_weights, is_fp8_checkpoint, random_fp8_weights
+from shared.model.checkpoint_weights import DIRECT_MODEL_TYPES, checkpoint_weights
+from shared.model.fp8_weights import is_fp8_checkpoint, random_fp8_weights
 from shared.model.llama import PagedLlama
 from shared.model.loader import UnsupportedModel, config_dict
 from shared.model.moe import MOE_MODEL_TYPES
@@ -40,15 +41,16 @@ def _load(checkpoint: Path | str, torch_dtype: torch.dtype, device: str, quantiz
             config = presets.preset_config(str(checkpoint))
             return PagedLlama(config, random_fp8_weights(config, torch_dtype, device), device)
         return PagedLlama.from_hf(presets.random_hf_model(str(checkpoint), torch_dtype, device), device)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    config = _config(checkpoint)
+    fp8_stored = is_fp8_checkpoint(config_dict(checkpoint))
+    if config.model_type in DIRECT_MODEL_TYPES:
+        model = PagedLlama(config, checkpoint_weights(Path(checkpoint), config, torch_dtype, device, fp8_stored), device)
+    else:
+        from transformers import AutoModelForCausalLM
 
-    if is_fp8_checkpoint(config_dict(checkpoint)):
-        config = AutoConfig.from_pretrained(str(checkpoint))
-        return PagedLlama(config, fp8_checkpoint_weights(Path(checkpoint), config, torch_dtype, device), device)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch_dtype, device_map=device)
-    model = PagedLlama.from_hf(hf_model.eval(), device)
-    if quantization == "fp8":
-        del hf_model  # its copies of o_proj and down go as each is quantized
+        model = PagedLlama.from_hf(AutoModelForCausalLM.from_pretrained(
+            str(checkpoint), dtype=torch_dtype, device_map=device).eval(), device)
+    if quantization == "fp8" and not fp8_stored:
         for layer in model.layers:
             layer.quantize_fp8()
     return model
@@ -90,8 +92,8 @@ def _weights_on_cpu(checkpoint: Path | str, config, dtype: torch.dtype) -> Llama
     if presets.is_random(str(checkpoint)):
         return LlamaWeights.from_hf(presets.random_hf_model(str(checkpoint), dtype, "cpu"),
                                     config.max_position_embeddings)
-    if is_fp8_checkpoint(config_dict(checkpoint)):
-        return fp8_checkpoint_weights(Path(checkpoint), config, dtype, "cpu")
+    if config.model_type in DIRECT_MODEL_TYPES:
+        return checkpoint_weights(Path(checkpoint), config, dtype, "cpu", is_fp8_checkpoint(config_dict(checkpoint)))
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, device_map="cpu")

@@ -1,7 +1,9 @@
 """Find and load a model: the embedded SmolLM2 GGUF, a .gguf file, or a Hugging Face folder.
 
-The workers read the config and weights with transformers; the router reads config.json as JSON
-and the tokenizer with shared/model/tokenizer.py, since transformers imports torch. A GGUF file is converted once into a
+The workers read the config with transformers and the weights from the safetensors files
+(shared/model/checkpoint_weights.py; through transformers for the model types it converts); the
+router reads config.json as JSON and the tokenizer with shared/model/tokenizer.py, since
+transformers imports torch. A GGUF file is converted once into a
 plain safetensors checkpoint in the cache folder, because dequantizing it is slow (docs/BENCHMARKS.md,
 "Model loading") and every process start, of both workers, would pay for it.
 """

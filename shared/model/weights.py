@@ -92,7 +92,8 @@ class LlamaWeights:
     def from_hf(cls, hf_model, max_context: int) -> "LlamaWeights":
         body = hf_model.model
         dtype = body.embed_tokens.weight.dtype
-        cos, sin = rope_tables(body.rotary_emb, max_context, dtype)
+        rotary = body.rotary_emb
+        cos, sin = rope_tables(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0), max_context, dtype)
         return cls(
             embed=body.embed_tokens.weight.detach(),
             final_norm=body.norm.weight.detach(),
@@ -147,11 +148,24 @@ def _head_norm(attn, name: str) -> torch.Tensor | None:
     return None if norm is None else norm.weight.detach()
 
 
-def rope_tables(rotary, max_context: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_context, head_dim] from transformers' rotary embedding module, its attention
-    scaling included."""
-    positions = torch.arange(max_context, dtype=torch.float32, device=rotary.inv_freq.device)
-    freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], attention scaling) as the model type's rotary embedding
+    computes them, without importing its modeling code: transformers' ROPE_INIT_FUNCTIONS for a
+    scaled RoPE (llama3, yarn, ...), the original RoPE's frequencies for the default."""
+    parameters = config.rope_parameters
+    if parameters["rope_type"] != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def rope_tables(inv_freq: torch.Tensor, attention_scaling: float, max_context: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_context, head_dim] from a rotary embedding's inverse frequencies, its
+    attention scaling included."""
+    positions = torch.arange(max_context, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    scaling = getattr(rotary, "attention_scaling", 1.0)
-    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
