@@ -85,12 +85,14 @@ def test_a_missing_tensor_is_named(tmp_path):
         checkpoint_weights(tmp_path, model.config, torch.float32, "cpu")
 
 
-def test_weights_split_over_files_are_read_from_each(tmp_path):
-    """A sharded checkpoint (transformers writes model-0000N-of-0000M.safetensors past max_shard_size)."""
+def test_weights_split_over_files_are_read_from_each_the_index_names(tmp_path):
+    """A sharded checkpoint (transformers writes model-0000N-of-0000M.safetensors past max_shard_size),
+    beside a file of Mistral's own format, which the index does not name."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS["mistral"]).eval()
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    save_file({"layers.0.attention.wq.weight": torch.ones(2, 2)}, tmp_path / "consolidated.safetensors")  # another format's
     expected = LlamaWeights.from_hf(model, TINY["max_position_embeddings"]).named()
     got = checkpoint_weights(tmp_path, model.config, torch.float32, "cpu").named()
     assert all(torch.equal(got[n], t) for n, t in expected.items())

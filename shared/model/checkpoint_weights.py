@@ -11,6 +11,7 @@ come through from_pretrained (shared/model/from_checkpoint.py)."""
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -35,11 +36,9 @@ class CheckpointTensors:
 
         self._stack = ExitStack()
         self._files = {}
-        for path in sorted(folder.glob("*.safetensors")):
+        for path in _weight_files(folder):
             handle = self._stack.enter_context(safe_open(str(path), "pt", device=str(device)))
             self._files |= {name: handle for name in handle.keys()}
-        if not self._files:
-            raise UnsupportedModel(f"{folder} has no .safetensors weights")
         self.read: set[str] = set()
 
     def __enter__(self) -> "CheckpointTensors":
@@ -60,6 +59,18 @@ class CheckpointTensors:
     def unread_weights(self) -> list[str]:
         return sorted(name for name in self._files.keys() - self.read
                       if name.endswith((".weight", ".bias")) and not name.endswith(_RECOMPUTED))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The files transformers reads: those model.safetensors.index.json maps the tensors to, else
+    model.safetensors. A folder may hold another format's files beside them (Mistral's
+    consolidated.safetensors, under other names)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    raise UnsupportedModel(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def checkpoint_weights(folder: Path, config, dtype: torch.dtype, device: torch.device | str,
