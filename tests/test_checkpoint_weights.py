@@ -96,3 +96,13 @@ def test_weights_split_over_files_are_read_from_each_the_index_names(tmp_path):
     expected = LlamaWeights.from_hf(model, TINY["max_position_embeddings"]).named()
     got = checkpoint_weights(tmp_path, model.config, torch.float32, "cpu").named()
     assert all(torch.equal(got[n], t) for n, t in expected.items())
+
+
+def test_an_fp8_tensor_outside_the_linear_layers_is_refused(tmp_path):
+    """An lm_head stored in FP8 (a checkpoint that did not `ignore` it) would read back without its scale."""
+    model = _write(tmp_path, CONFIGS["llama-biases-llama3-rope"])
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModel, match="lm_head.weight is stored in FP8"):
+        checkpoint_weights(tmp_path, model.config, torch.float32, "cpu", fp8_stored=True)

@@ -105,7 +105,10 @@ class _Reader:
         self.head_norms = config.model_type == "qwen3"
 
     def plain(self, name: str) -> torch.Tensor:
-        return self.stored.get(name).to(self.dtype)
+        tensor = self.stored.get(name)
+        if tensor.dtype == FP8:  # its scale would be dropped: an FP8 lm_head, say
+            raise UnsupportedModel(f"{name} is stored in FP8: only the layers' linear weights are read in FP8")
+        return tensor.to(self.dtype)
 
     def optional(self, name: str, present: bool) -> torch.Tensor | None:
         return self.plain(name) if present else None
