@@ -4,8 +4,8 @@ them: Llama, Mistral, Qwen2 and Qwen3 in transformers' layout (model.layers.N.se
 model's dtype, or in FP8 with its scale where the checkpoint stores FP8 (shared/model/fp8_weights.py
 says which formats).
 
-Reading them without transformers' model classes and from_pretrained takes a worker's start about
-4 s of CPU less on the embedded model (the modeling code imports torch._dynamo; docs/BENCHMARKS.md).
+Read without transformers' model classes and from_pretrained, a worker of the embedded model starts
+on 6.3 s of CPU instead of 7.6-7.9 (the modeling code imports torch._dynamo; docs/BENCHMARKS.md).
 Mixture-of-experts and MLA checkpoints, whose tensors transformers converts as it loads them, still
 come through from_pretrained (shared/model/from_checkpoint.py)."""
 

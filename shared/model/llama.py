@@ -399,7 +399,7 @@ def _index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def _check_head_norms(config, weights: LlamaWeights) -> None:
     """Qwen3 without its per-head q/k norms would run and answer wrongly: weights built elsewhere than
-    from transformers' model (shared/model/fp8_weights.py) may not read them."""
+    from a checkpoint (random_fp8_weights in shared/model/fp8_weights.py) have none."""
     if config.model_type in ("qwen3", "qwen3_moe") and weights.layers[0].q_norm is None:
-        raise UnsupportedModel("these qwen3 weights lack the per-head q_norm/k_norm (FP8 checkpoints of qwen3 "
-                               "are read without them)")
+        raise UnsupportedModel("these qwen3 weights lack the per-head q_norm/k_norm (random FP8 weights are "
+                               "drawn without them)")
