@@ -42,15 +42,8 @@ def _load(checkpoint: Path | str, torch_dtype: torch.dtype, device: str, quantiz
             return PagedLlama(config, random_fp8_weights(config, torch_dtype, device), device)
         return PagedLlama.from_hf(presets.random_hf_model(str(checkpoint), torch_dtype, device), device)
     config = _config(checkpoint)
-    fp8_stored = is_fp8_checkpoint(config_dict(checkpoint))
-    if config.model_type in DIRECT_MODEL_TYPES:
-        model = PagedLlama(config, checkpoint_weights(Path(checkpoint), config, torch_dtype, device, fp8_stored), device)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = PagedLlama.from_hf(AutoModelForCausalLM.from_pretrained(
-            str(checkpoint), dtype=torch_dtype, device_map=device).eval(), device)
-    if quantization == "fp8" and not fp8_stored:
+    model = PagedLlama(config, _stored_weights(checkpoint, config, torch_dtype, device), device)
+    if quantization == "fp8" and model.weights.quantization == "none":
         for layer in model.layers:
             layer.quantize_fp8()
     return model
@@ -92,9 +85,15 @@ def _weights_on_cpu(checkpoint: Path | str, config, dtype: torch.dtype) -> Llama
     if presets.is_random(str(checkpoint)):
         return LlamaWeights.from_hf(presets.random_hf_model(str(checkpoint), dtype, "cpu"),
                                     config.max_position_embeddings)
+    return _stored_weights(checkpoint, config, dtype, "cpu")
+
+
+def _stored_weights(checkpoint: Path | str, config, dtype: torch.dtype, device: str) -> LlamaWeights:
+    """A checkpoint folder's weights on the device: read from its files for the dense model types,
+    through transformers' from_pretrained for those whose tensors it converts (experts, MLA)."""
     if config.model_type in DIRECT_MODEL_TYPES:
-        return checkpoint_weights(Path(checkpoint), config, dtype, "cpu", is_fp8_checkpoint(config_dict(checkpoint)))
+        return checkpoint_weights(Path(checkpoint), config, dtype, device, is_fp8_checkpoint(config_dict(checkpoint)))
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, device_map="cpu")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, device_map=device)
     return LlamaWeights.from_hf(hf_model.eval(), config.max_position_embeddings)
