@@ -100,7 +100,8 @@ def stack_settings(args, pages: int) -> dict[str, str]:
     to args.request_timeout_s."""
     base = {"PDSERVE_MODEL_DEVICE": args.device}
     if args.device.startswith("cuda"):  # one request at a time: one graph, batch 1
-        base = gpu_stack_settings(args.model, SERVICES) | base
+        # "cuda" alone: a GPU for each worker (services/stack/topology.py), each with its own weights.
+        base = gpu_stack_settings(args.model, SERVICES, shared_weights=args.device != "cuda") | base
         if args.concurrency == 1:
             base["PDSERVE_DECODE_CUDA_GRAPH_BATCH_SIZES"] = "1"
     timeout, tokens = str(args.request_timeout_s), max(args.tokens)
@@ -245,7 +246,8 @@ def run(args) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.stack.bench_long_prompt")
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                        help="the stack's device; \"cuda\": the prefill and the decode on GPUs of their own")
     parser.add_argument("--model", help="default: random:llama-3.1-8b-512k on a GPU, embedded on the CPU")
     parser.add_argument("--tokens", type=token_counts, default=[131072],
                         help="prompt tokens; several, comma-separated, go through one stack in turn")
