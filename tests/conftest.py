@@ -28,6 +28,9 @@ CACHE_DIR = os.environ.get("PDSERVE_MODEL_CACHE_DIR", "~/.cache/pdserve")
 CLOCK_SKEW = Path(__file__).parent / "clock_skew"
 SKEWED_CLOCKS = {role: {"PYTHONPATH": os.pathsep.join(filter(None, [str(CLOCK_SKEW), os.environ.get("PYTHONPATH")])),
                         "CLOCK_SKEW_S": skew} for role, skew in (("prefill", "600"), ("decode", "-600"))}
+# Its decode also launches each step before reading the last one back (decode.overlap_steps, what
+# "auto" does on a GPU): the tests on the session stack check that path, the other stacks the plain one.
+SESSION_STACK_ENV = {**SKEWED_CLOCKS, "decode": {**SKEWED_CLOCKS["decode"], "PDSERVE_DECODE_OVERLAP_STEPS": "on"}}
 
 
 @pytest.fixture(autouse=True)
@@ -70,11 +73,11 @@ def reference_model(checkpoint):
 @pytest.fixture(scope="session")
 def stack(checkpoint, tmp_path_factory):
     """Router, prefill and decode as real processes on a free port, the workers' clocks skewed
-    (SKEWED_CLOCKS); torn down with SIGTERM.
+    (SKEWED_CLOCKS), the decode's steps overlapped (SESSION_STACK_ENV); torn down with SIGTERM.
 
     At teardown it checks what every test owes: both pools have every page free again, each
     service exits 0, and no shared-memory segment is left behind.
     """
-    with ServiceStack(tmp_path_factory.mktemp("stack"), CACHE_DIR, service_env=SKEWED_CLOCKS) as services:
+    with ServiceStack(tmp_path_factory.mktemp("stack"), CACHE_DIR, service_env=SESSION_STACK_ENV) as services:
         yield services
         services.stop_drained()

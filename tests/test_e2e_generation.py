@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -260,6 +261,14 @@ def test_the_session_stacks_workers_run_on_skewed_clocks(stack):
         shown = subprocess.run([sys.executable, "-c", "import time; print(time.time())"], env={**stack.env, **env},
                                capture_output=True, text=True, timeout=60, check=True).stdout
         assert float(shown) - time.time() == pytest.approx(float(env["CLOCK_SKEW_S"]), abs=30), role
+
+
+def test_the_session_stacks_decode_overlaps_its_steps(stack):
+    """The session stack's decode launches each step before it reads the last one back
+    (SESSION_STACK_ENV): the tests on this stack check that path; the other stacks run the plain one."""
+    lines = [json.loads(line) for line in stack.log_path("decode").read_text().splitlines() if line.startswith("{")]
+    ready = [line["overlap_steps"] for line in lines if line.get("event") == "decode worker ready"]
+    assert ready and all(ready), ready
 
 
 def test_a_request_ended_by_its_first_token_has_no_decode_stages(stack):

@@ -15,56 +15,87 @@ from shared.kv.transfer import Transfer
 class DecodingRequest:
     request_id: str
     pages: list[int]          # reserved for prompt + max_tokens (or a window's ring), allocated at handoff
-    kv_len: int               # tokens whose K/V are in the pages
-    last_token: int           # the token the next step feeds in (its K/V not yet written)
-    num_generated: int        # tokens produced so far, the prefill's first one included
+    # The counts run ahead of the tokens: each advances when a step is launched, before its token is read.
+    kv_len: int               # tokens whose K/V are in the pages once the steps launched have run
+    last_token: int           # the last token read back: its first step feeds it in; with steps
+                              # overlapped, a later one takes the step before's token on the device
+    num_generated: int        # tokens produced by the steps launched, the prefill's first one included
     sampling: SamplingParams
     stop: StopParams
     handoff: Transfer | None = None  # its pages' transfer, until its first step reports the wait for it
+    finished: bool = False    # it has left the batch: a step still in flight ran it for nothing
 
 
 @dataclass
 class StepInputs:
     token_ids: torch.Tensor   # [B]
-    positions: torch.Tensor   # [B] where each last_token sits
+    positions: torch.Tensor   # [B] where each fed token sits
     page_table: torch.Tensor  # [B, max pages]; padding rows point at page 0, masked by length
+
+
+@dataclass
+class PreviousTokens:
+    """The tokens a step sampled, still on the device, and the batch it ran: the next step's inputs
+    for the requests in both (services/decode/worker.py, overlapped steps)."""
+    requests: list[DecodingRequest]
+    tokens: torch.Tensor  # [len(requests)] int64
+
+
+class _HostBuffers:
+    """One step's inputs on the host, pinned on a GPU: the page table, whose rows are rewritten only
+    when the batch's members change, and per row the token, its position and the token's row in the
+    previous step's sample (-1: the token is the host's, as a request's first is)."""
+
+    def __init__(self, max_batch: int, max_pages: int, pinned: bool):
+        self.table = torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=pinned)
+        self.scalars = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pinned)
+        self.members: tuple[DecodingRequest, ...] = ()
 
 
 class StepInputBuilder:
     """Each step's input tensors, without a Python loop over every page of every request.
 
-    The page table lives in a host buffer (pinned on a GPU) whose rows are rewritten only when the
-    running batch changes (a request joins or leaves), not at every step: at batch 32 and 8K
-    context, building it from lists meant 16K Python ints converted every step. A step sends one slice of it to the
+    The page table lives in a host buffer whose rows are rewritten only when the running batch
+    changes (a request joins or leaves), not at every step: at batch 32 and 8K context, building it
+    from lists meant 16K Python ints converted every step. A step sends one slice of it to the
     device, only the pages up to each request's current position (attention reads no further).
-    Reusing the buffers is safe because sampling waits for every step's results, and with them
-    for the copies that fed it, before the next step rewrites them.
+    Two sets of buffers take turns. The device copies a step's inputs when it reaches the step, so
+    the buffers are rewritten only once the decode has waited for that step's tokens: with steps
+    overlapped the decode builds step n while step n - 1 may not have copied its inputs yet, and has
+    waited for step n - 2, which used the other set.
     """
 
     def __init__(self, max_batch: int, max_pages: int, page_size: int, device: torch.device):
-        pinned = device.type == "cuda"
         self.device, self.page_size = device, page_size
-        self._table = torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=pinned)
-        self._scalars = torch.zeros((2, max_batch), dtype=torch.int64, pin_memory=pinned)
-        self._members: tuple[DecodingRequest, ...] = ()
+        self._buffers = [_HostBuffers(max_batch, max_pages, device.type == "cuda") for _ in range(2)]
+        self._turn = 0
 
-    def build(self, running: list[DecodingRequest]) -> StepInputs:
+    def build(self, running: list[DecodingRequest], previous: PreviousTokens | None = None) -> StepInputs:
+        """previous: the step before, not waited for; a request of both takes its token from there."""
+        buffers = self._buffers[self._turn]
+        self._turn ^= 1
         batch = len(running)
         # By identity, holding the requests: an id() could be reused by the next request's object.
-        if len(running) != len(self._members) or any(a is not b for a, b in zip(running, self._members)):
-            table = self._table.numpy()
+        if len(running) != len(buffers.members) or any(a is not b for a, b in zip(running, buffers.members)):
+            table = buffers.table.numpy()
             for row, request in enumerate(running):
                 # Index i holds pages[i % len(pages)] (shared/kv/pages.ring_row): a windowed request's
                 # ring; for others, cells past their pages repeat them and are never read.
                 table[row] = np.resize(np.asarray(request.pages, dtype=np.int32), table.shape[1])
-            self._members = tuple(running)
-        scalars = self._scalars.numpy()
+            buffers.members = tuple(running)
+        scalars = buffers.scalars.numpy()
         scalars[0, :batch] = [r.last_token for r in running]
         scalars[1, :batch] = [r.kv_len for r in running]
         width = max(r.kv_len for r in running) // self.page_size + 1
-        token_ids, positions = self._scalars[:, :batch].to(self.device, non_blocking=True)
-        return StepInputs(token_ids=token_ids, positions=positions,
-                          page_table=self._table[:batch, :width].to(self.device, non_blocking=True))
+        page_table = buffers.table[:batch, :width].to(self.device, non_blocking=True)
+        if previous is None:
+            token_ids, positions = buffers.scalars[:2, :batch].to(self.device, non_blocking=True)
+            return StepInputs(token_ids=token_ids, positions=positions, page_table=page_table)
+        rows = {id(request): row for row, request in enumerate(previous.requests)}
+        scalars[2, :batch] = [rows.get(id(r), -1) for r in running]
+        given, positions, source = buffers.scalars[:, :batch].to(self.device, non_blocking=True)
+        token_ids = torch.where(source >= 0, previous.tokens[source.clamp(min=0)], given)
+        return StepInputs(token_ids=token_ids, positions=positions, page_table=page_table)
 
 
 def step_inputs(running: list[DecodingRequest], page_size: int, device: torch.device) -> StepInputs:

@@ -14,7 +14,12 @@ Lifecycle of a request here:
   the step's tokens -> each step emits one token per running request (TokenBatch; for a request's
   first step, with how long its pages waited for it, dated on the device) -> it leaves
   the batch on EOS, max_tokens, the model's context, or an Abort from the router, and its pages
-  are freed at once.
+  are freed once no step in flight writes them.
+
+A step is launched, then read back (services/decode/in_flight.py). With decode.overlap_steps the
+next step is launched before the last one is read, its tokens taken from the last one's on the
+device: a request about to end by length is left out of it; one that ends on EOS, or is aborted,
+meanwhile runs in it for nothing, its token unread.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import deque
 
 import structlog
 
+from services.decode.in_flight import LaunchedStep, TokenReadback
 from services.decode.kv_pull import HandoffError
 from services.decode.rank_engine import MAP_POOL, PULL, UNMAP_POOL, build_rank_engine, lead_step
 from services.decode.step_inputs import DecodingRequest, StepInputBuilder
@@ -44,12 +50,12 @@ from shared.control.messages import (
     TokenOut,
 )
 from shared.control.router_link import WorkerLoad
-from shared.kernels.device import Moment, date_moments, mark
+from shared.kernels.device import date_moments, mark
 from shared.kv.pages import PageAllocator, PoolExhausted, decode_pages_needed
 from shared.kv.pool import token_bytes
 from shared.kv.transfer import TransferState
 from shared.model.loader import attention_span
-from shared.model.sampling import sample
+from shared.model.sampling import sample_on_device
 from shared.runtime import metrics
 from shared.worker.gpu_telemetry import serve_worker_metrics
 from shared.worker.loop import WorkerLoop
@@ -88,6 +94,10 @@ class DecodeWorker(WorkerLoop):
         self.pool, self.puller = self.engine.pool, self.engine.puller
         self.inputs = StepInputBuilder(self.max_batch_size, self.engine.max_pages, self.pool.layout.page_size,
                                        model.device)
+        self.readback = TokenReadback(self.max_batch_size, model.device)
+        overlap = config.decode.overlap_steps
+        self.overlap = overlap == "on" or (overlap == "auto" and model.device.type == "cuda")
+        self.in_flight: LaunchedStep | None = None  # with overlap, the step launched and not yet read back
         self.running: list[DecodingRequest] = []
         self.waiting: deque[DecodingRequest] = deque()  # pulled, waiting for a batch slot
         self.pulling: dict[str, DecodingRequest] = {}   # kept out of the batch until their transfer is DONE
@@ -100,7 +110,7 @@ class DecodeWorker(WorkerLoop):
         metrics.report_kv_bytes_per_token(self.worker_id, Role.DECODE, token_bytes(self.pool.layout) * self.ranks.size)
         serve_worker_metrics(config.decode.metrics_address, config.model.device)
         log.info("decode worker ready", pool_pages=self.allocator.num_pages, max_batch=self.max_batch_size,
-                 stream_priority=stream.priority if stream is not None else None)
+                 stream_priority=stream.priority if stream is not None else None, overlap_steps=self.overlap)
 
     # ---- the skeleton's hooks ----
 
@@ -111,7 +121,7 @@ class DecodeWorker(WorkerLoop):
 
     def receive_timeout_s(self) -> float:
         now = time.monotonic()
-        busy = bool(self.running or self.puller.copying)
+        busy = bool(self.running or self.puller.copying or self.in_flight)
         if busy:
             self.last_busy = now
         return receive_timeout_s(busy, now - self.last_busy, self.idle_spin_s)
@@ -120,8 +130,16 @@ class DecodeWorker(WorkerLoop):
         self._acknowledge_pulls()
         while self.waiting and len(self.running) < self.max_batch_size:
             self.running.append(self.waiting.popleft())
-        if self.running:
-            self._step()
+        if not self.overlap:
+            if self.running:
+                self._read_back(self._launch(self.running, None))
+            return
+        previous = self.in_flight
+        batch = [r for r in self.running if not (previous is not None and previous.includes(r)
+                                                 and self.finish.ends_by_length(r.num_generated, r.kv_len + 1, r.stop))]
+        self.in_flight = self._launch(batch, previous) if batch else None
+        if previous is not None:
+            self._read_back(previous)
 
     def forget_all(self) -> None:
         self._acknowledge_pulls()  # copies in flight still land; the prefill's pages are its own concern
@@ -133,7 +151,12 @@ class DecodeWorker(WorkerLoop):
 
     def _drop_all(self) -> list[DecodingRequest]:
         """Every request held, out of the batch, its pages freed (once its unfinished transfer,
-        ended now, has settled)."""
+        ended now, has settled, and the step in flight has run)."""
+        if self.in_flight is not None:  # its tokens go unread
+            self.in_flight.read()
+            for pages in self.in_flight.free_after:
+                self.allocator.free(pages)
+            self.in_flight = None
         for request in self.pulling.values():
             self.puller.drop(request.request_id, request.pages)
         for request in [*self.running, *self.waiting]:
@@ -218,40 +241,62 @@ class DecodeWorker(WorkerLoop):
         for group in (self.running, self.waiting):
             for request in [r for r in group if r.request_id == message.request_id]:
                 group.remove(request)
-                self.allocator.free(request.pages)
+                self._leave(request)
 
-    def _step(self) -> None:
-        joining = [r for r in self.running if r.handoff is not None]
+    def _leave(self, request: DecodingRequest) -> None:
+        """Out of the batch: its pages go back once no step in flight writes them."""
+        request.finished = True
+        if self.in_flight is not None and self.in_flight.includes(request):
+            self.in_flight.free_after.append(request.pages)
+        else:
+            self.allocator.free(request.pages)
+
+    # ---- steps ----
+
+    def _launch(self, batch: list[DecodingRequest], previous: LaunchedStep | None) -> LaunchedStep:
+        """One step of the batch, queued on the device with its sampling and its tokens' copy back;
+        previous: the step before, not read back yet, whose tokens its requests feed in."""
+        joining = [(r, r.handoff) for r in batch if r.handoff is not None]
         started = mark(self.model.device) if joining else None
-        inputs = self.inputs.build(self.running)
+        for request, _ in joining:
+            request.handoff = None
+        inputs = self.inputs.build(batch, previous.previous_tokens() if previous is not None else None)
         lead_step(self.ranks, inputs)
         logits = self.engine.step(inputs)
-        tokens = sample(logits, [r.sampling for r in self.running], [r.num_generated for r in self.running])
-        self._acknowledge_pulls()  # sample waited for the step, so for the copies before it: KvPulled goes first
-        joined = self._joined(joining, started) if joining else []
-        out, still_running = [], []
-        for request, token in zip(self.running, tokens):
+        tokens = sample_on_device(logits, [r.sampling for r in batch], [r.num_generated for r in batch])
+        host_tokens, done = self.readback.start(tokens)
+        for request in batch:
             request.kv_len += 1
             request.num_generated += 1
-            request.last_token = token
-            reason = self.finish(token, request.num_generated, request.kv_len + 1, request.stop)
-            out.append(TokenOut(request.request_id, token, reason))
-            if reason is None:
-                still_running.append(request)
-            else:
-                self.allocator.free(request.pages)
-        self.running = still_running
-        self.link.send(TokenBatch(out, time.perf_counter() - started.at if joining else 0.0, joined))
+        return LaunchedStep(list(batch), [(r.num_generated, r.kv_len) for r in batch], tokens, host_tokens, done,
+                            joining, started)
 
-    def _joined(self, joining: list[DecodingRequest], started: Moment) -> list[Joined]:
-        """How long the pages of each request in its first step waited for the step, which began at
-        `started`: on a GPU the step's start is dated on the device, as the copies are, and from a
-        copy of its own stream by the device's clock alone (it may have been launched before the
-        copy ended, and it waited for the copy there). Called once the step and its copies have run."""
-        date_moments([started], self.model.device)
+    def _read_back(self, step: LaunchedStep) -> None:
+        """The step's tokens to the router (KvPulled first for the pages that landed before it), the
+        requests they end out of the batch."""
+        tokens = step.read()
+        self._acknowledge_pulls()  # the step has run, and so have the copies before it
+        joined = self._joined(step) if step.joining else []
         out = []
-        for request in joining:
-            handoff, request.handoff = request.handoff, None
-            if handoff.landed is not None:
-                out.append(Joined(request.request_id, handoff.landed.seconds_until(started)))
-        return out
+        for request, token, (generated, kv_len) in zip(step.requests, tokens, step.counts):
+            if request.finished:  # it left while the step was in flight: its token is nobody's
+                continue
+            request.last_token = token
+            reason = self.finish(token, generated, kv_len + 1, request.stop)
+            out.append(TokenOut(request.request_id, token, reason))
+            if reason is not None:
+                self._leave(request)
+        self.running = [r for r in self.running if not r.finished]
+        for pages in step.free_after:
+            self.allocator.free(pages)
+        if out or joined:
+            self.link.send(TokenBatch(out, time.perf_counter() - step.started.at if step.joining else 0.0, joined))
+
+    def _joined(self, step: LaunchedStep) -> list[Joined]:
+        """How long the pages of each request in its first step waited for the step: on a GPU the
+        step's start is dated on the device, as the copies are, and from a copy of its own stream by
+        the device's clock alone (it may have been launched before the copy ended, and it waited for
+        the copy there). Called once the step and its copies have run."""
+        date_moments([step.started], self.model.device, probe=step.done)
+        return [Joined(request.request_id, handoff.landed.seconds_until(step.started))
+                for request, handoff in step.joining if handoff.landed is not None and not request.finished]

@@ -283,6 +283,13 @@ class DecodeConfig:
     # compute on those cores, nor in services.colocated, where the spin would hold the GIL its
     # prefill thread needs.
     idle_spin_s: float = field(default=0.0, metadata=_check(lambda v: v >= 0, "must be >= 0"))
+    # "on": each step is launched before the last one's tokens are read back (services/decode/in_flight.py),
+    # so the GPU runs the next step while the host streams tokens and takes in messages; a request
+    # that stops on EOS costs the step that runs it meanwhile. "auto": on a GPU only (on the CPU a
+    # step computes as it is launched, so overlapping would hold each token back a step). "off"
+    # until a GPU has measured it (docs/BENCHMARKS.md).
+    overlap_steps: str = field(default="off", metadata=_check(lambda v: v in ("auto", "on", "off"),
+                                                              "must be auto, on or off"))
     # Also services.colocated's one endpoint: Prometheus' registry is per process, so a second
     # endpoint for its prefill would serve the same series again.
     metrics_address: str = _http_address("127.0.0.1:9402")

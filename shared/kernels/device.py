@@ -48,15 +48,17 @@ def mark(device: torch.device) -> Moment:
     return Moment(event=event)
 
 
-def date_moments(moments: list[Moment], device: torch.device) -> None:
-    """Gives device moments their host times, waiting for the current stream's work so far: a timed
-    probe runs after them, the host clock is read once it has run, and each moment's device time
-    before the probe is taken off. Never earlier than the moment; later only by the probe's wake-up,
-    the same for all moments dated together. Moments on the CPU have theirs already."""
+def date_moments(moments: list[Moment], device: torch.device, probe: torch.cuda.Event | None = None) -> None:
+    """Gives device moments their host times, waiting for the probe: a timed event recorded after
+    them (None: one recorded now, which waits for the current stream's work so far). The host clock
+    is read once it has run, and each moment's device time before the probe is taken off. Never
+    earlier than the moment; later only by the probe's wake-up, the same for all moments dated
+    together. Moments on the CPU have theirs already."""
     if device.type != "cuda":
         return
-    probe = torch.cuda.Event(enable_timing=True)
-    probe.record(torch.cuda.current_stream(device))
+    if probe is None:
+        probe = torch.cuda.Event(enable_timing=True)
+        probe.record(torch.cuda.current_stream(device))
     probe.synchronize()
     now = time.perf_counter()
     for moment in moments:

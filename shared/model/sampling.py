@@ -33,11 +33,17 @@ def _step_seed(seed: int, index: int) -> int:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     """logits [B, V] float32; output_indices[i] is how many tokens request i has produced so far."""
+    return sample_on_device(logits, params, output_indices).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
+    """sample's tokens as an int64 [B] on logits' device, queued behind the step that made the logits
+    without waiting for it: every host value goes over by a non-blocking copy."""
     greedy = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW_TEMPERATURE]
     if not random_rows:
-        return greedy.tolist()
-    rows = torch.tensor(random_rows, device=logits.device)
+        return greedy
+    rows = _to_device(random_rows, torch.int64, logits.device)
     probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
     noise = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
@@ -46,14 +52,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     drawn = (probs / noise).argmax(dim=-1)
     out = greedy.clone()
     out[rows] = drawn
-    return out.tolist()
+    return out
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device. To a GPU through pinned memory and a non-blocking copy: a
+    blocking one would wait for the work already queued on the stream (the step in flight)."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    temperature = _to_device([p.temperature for p in params], torch.float32, device)
+    top_k = _to_device([p.top_k for p in params], torch.int64, device)
+    top_p = _to_device([p.top_p for p in params], torch.float32, device)
     logits = logits / temperature[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=device)[None, :]
@@ -74,6 +87,10 @@ class FinishCheck:
         """num_generated includes token_id; total_len is prompt plus generated tokens."""
         if token_id in self.eos_token_ids and not stop.ignore_eos:
             return FinishReason.STOP
-        if num_generated >= stop.max_tokens or total_len >= self.max_context:
+        if self.ends_by_length(num_generated, total_len, stop):
             return FinishReason.LENGTH
         return None
+
+    def ends_by_length(self, num_generated: int, total_len: int, stop: StopParams) -> bool:
+        """Whether the token that brings a request to these counts is its last, whichever it is."""
+        return num_generated >= stop.max_tokens or total_len >= self.max_context

@@ -98,10 +98,11 @@ class StreamCopies:
 
     def _date(self, copies: list[LocalCopy]) -> None:
         """When each finished copy landed. The host sees a copy's end only when it asks, maybe a
-        whole step later, so the device dates it (date_moments), and the copy's event stays with
-        its landing: a later moment of the same stream subtracts from it on the device's clock."""
+        whole step later, so the device dates it (date_moments, against the last copy's event, which
+        has run: a probe recorded now would wait for a step launched since), and the copy's event stays
+        with its landing: a later moment of the same stream subtracts from it on the device's clock."""
         landings = [Moment(event=copy.done) for copy in copies]
-        date_moments(landings, self.device)
+        date_moments(landings, self.device, probe=copies[-1].done)
         for copy, landing in zip(copies, landings):
             if copy.state is TransferState.TRANSFERRING:
                 copy.land(landing)
