@@ -42,13 +42,16 @@ class PreviousTokens:
 
 
 class _HostBuffers:
-    """One step's inputs on the host, pinned on a GPU: the page table, whose rows are rewritten only
-    when the batch's members change, and per row the token, its position and the token's row in the
-    previous step's sample (-1: the token is the host's, as a request's first is)."""
+    """One step's inputs on the host. The page table, whose rows are rewritten only when the batch's
+    members change; the part of it a step reads, copied out contiguous; per row the token, its
+    position and the token's row in the step before's sample (-1: the token is the host's, as a
+    request's first is). What goes to a GPU is pinned and contiguous: a copy from pageable memory
+    may wait for the work queued on the stream, which would undo overlapped steps."""
 
     def __init__(self, max_batch: int, max_pages: int, pinned: bool):
-        self.table = torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=pinned)
-        self.scalars = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pinned)
+        self.table = torch.zeros((max_batch, max_pages), dtype=torch.int32)
+        self.table_part = torch.zeros(max_batch * max_pages, dtype=torch.int32, pin_memory=pinned)
+        self.scalars = torch.zeros((max_batch, 3), dtype=torch.int64, pin_memory=pinned)
         self.members: tuple[DecodingRequest, ...] = ()
 
 
@@ -57,8 +60,8 @@ class StepInputBuilder:
 
     The page table lives in a host buffer whose rows are rewritten only when the running batch
     changes (a request joins or leaves), not at every step: at batch 32 and 8K context, building it
-    from lists meant 16K Python ints converted every step. A step sends one slice of it to the
-    device, only the pages up to each request's current position (attention reads no further).
+    from lists meant 16K Python ints converted every step. A step sends the device only the pages up
+    to each request's current position (attention reads no further).
     Two sets of buffers take turns. The device copies a step's inputs when it reaches the step, so
     the buffers are rewritten only once the decode has waited for that step's tokens: with steps
     overlapped the decode builds step n while step n - 1 may not have copied its inputs yet, and has
@@ -83,19 +86,21 @@ class StepInputBuilder:
                 # ring; for others, cells past their pages repeat them and are never read.
                 table[row] = np.resize(np.asarray(request.pages, dtype=np.int32), table.shape[1])
             buffers.members = tuple(running)
-        scalars = buffers.scalars.numpy()
-        scalars[0, :batch] = [r.last_token for r in running]
-        scalars[1, :batch] = [r.kv_len for r in running]
         width = max(r.kv_len for r in running) // self.page_size + 1
-        page_table = buffers.table[:batch, :width].to(self.device, non_blocking=True)
-        if previous is None:
-            token_ids, positions = buffers.scalars[:2, :batch].to(self.device, non_blocking=True)
-            return StepInputs(token_ids=token_ids, positions=positions, page_table=page_table)
-        rows = {id(request): row for row, request in enumerate(previous.requests)}
-        scalars[2, :batch] = [rows.get(id(r), -1) for r in running]
-        given, positions, source = buffers.scalars[:, :batch].to(self.device, non_blocking=True)
-        token_ids = torch.where(source >= 0, previous.tokens[source.clamp(min=0)], given)
-        return StepInputs(token_ids=token_ids, positions=positions, page_table=page_table)
+        part = buffers.table_part[: batch * width].view(batch, width)
+        part.copy_(buffers.table[:batch, :width])
+        scalars = buffers.scalars.numpy()
+        scalars[:batch, 0] = [r.last_token for r in running]
+        scalars[:batch, 1] = [r.kv_len for r in running]
+        if previous is not None:
+            rows = {id(request): row for row, request in enumerate(previous.requests)}
+            scalars[:batch, 2] = [rows.get(id(r), -1) for r in running]
+        values = buffers.scalars[:batch].to(self.device, non_blocking=True)
+        token_ids, positions, source = values.unbind(1)
+        if previous is not None:
+            token_ids = torch.where(source >= 0, previous.tokens[source.clamp(min=0)], token_ids)
+        return StepInputs(token_ids=token_ids, positions=positions,
+                          page_table=part.to(self.device, non_blocking=True))
 
 
 def step_inputs(running: list[DecodingRequest], page_size: int, device: torch.device) -> StepInputs:
