@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
@@ -35,6 +36,11 @@ class ServiceStack(LocalStack):
         text = urllib.request.urlopen(self.metrics_url(service), timeout=5).read().decode()
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith(name + " ") or line.startswith(name + "{"))
+
+    def logged(self, name: str, event: str) -> list[dict]:
+        """The lines of a service's JSON log (it logs JSON when not on a terminal) for one event."""
+        lines = (json.loads(line) for line in self.log_path(name).read_text().splitlines() if line.startswith("{"))
+        return [line for line in lines if line.get("event") == event]
 
     def stop_drained(self) -> None:
         """The end of a test's stack: every pool drained, then every service exits 0."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -266,8 +265,7 @@ def test_the_session_stacks_workers_run_on_skewed_clocks(stack):
 def test_the_session_stacks_decode_overlaps_its_steps(stack):
     """The session stack's decode launches each step before it reads the last one back
     (SESSION_STACK_ENV): the tests on this stack check that path; the other stacks run the plain one."""
-    lines = [json.loads(line) for line in stack.log_path("decode").read_text().splitlines() if line.startswith("{")]
-    ready = [line["overlap_steps"] for line in lines if line.get("event") == "decode worker ready"]
+    ready = [line["overlap_steps"] for line in stack.logged("decode", "decode worker ready")]
     assert ready and all(ready), ready
 
 

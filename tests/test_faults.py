@@ -32,7 +32,11 @@ def _tokens(stub, request, timeout=60.0) -> int:
 
 @pytest.fixture(scope="module")
 def one_stack(checkpoint, tmp_path_factory):
-    with ServiceStack(tmp_path_factory.mktemp("faults"), CACHE_DIR, **FAST_HEARTBEATS) as services:
+    """Its decode overlaps its steps (decode.overlap_steps), so the faults also find a step in flight:
+    a drop, a failure or a deadline must free the pages that step still writes once it has run. The
+    other stacks' decodes run the plain steps through their faults."""
+    with ServiceStack(tmp_path_factory.mktemp("faults"), CACHE_DIR, PDSERVE_DECODE_OVERLAP_STEPS="on",
+                      **FAST_HEARTBEATS) as services:
         yield services
 
 
@@ -61,6 +65,11 @@ def _log_from(stack, name: str, offset: int) -> str:
 
 def _log_size(stack, name: str) -> int:
     return len(stack.log_path(name).read_text())
+
+
+def test_the_modules_decode_overlaps_its_steps(one_stack):
+    ready = [line["overlap_steps"] for line in one_stack.logged("decode", "decode worker ready")]
+    assert ready and all(ready), ready
 
 
 def test_killed_decode_fails_its_requests_and_a_restarted_one_serves(stack):
