@@ -52,8 +52,11 @@ class LaunchedStep:
     # Pages of requests that left the batch while this step ran them: free once it has run.
     free_after: list[list[int]] = field(default_factory=list)
 
+    def __post_init__(self):
+        self._members = {id(request) for request in self.requests}  # held by self.requests: ids stay theirs
+
     def includes(self, request: DecodingRequest) -> bool:
-        return any(r is request for r in self.requests)
+        return id(request) in self._members
 
     def previous_tokens(self) -> PreviousTokens:
         return PreviousTokens(self.requests, self.tokens)

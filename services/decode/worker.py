@@ -135,8 +135,9 @@ class DecodeWorker(WorkerLoop):
                 self._read_back(self._launch(self.running, None))
             return
         previous = self.in_flight
-        batch = [r for r in self.running if not (previous is not None and previous.includes(r)
-                                                 and self.finish.ends_by_length(r.num_generated, r.kv_len + 1, r.stop))]
+        batch = [r for r in self.running if not (previous is not None
+                                                 and self.finish.ends_by_length(r.num_generated, r.kv_len + 1, r.stop)
+                                                 and previous.includes(r))]
         self.in_flight = self._launch(batch, previous) if batch else None
         if previous is not None:
             self._read_back(previous)
