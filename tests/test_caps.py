@@ -158,8 +158,7 @@ def _unread_call(stack, label: str):
 
 
 def _finished_labels(stack) -> set[str]:
-    lines = (json.loads(line) for line in stack.log_path("router").read_text().splitlines() if line.startswith("{"))
-    return {line.get("label") for line in lines if line.get("event") == "request finished"}
+    return {line.get("label") for line in stack.logged("router", "request finished")}
 
 
 def test_streams_cancelled_for_not_reading_give_their_slots_back(one_call_stack):

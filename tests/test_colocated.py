@@ -5,7 +5,6 @@ disaggregated stack is: greedy tokens against transformers, ListWorkers, SIGTERM
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -145,11 +144,6 @@ def references(tokenizer, reference_model):
             for kind, value in _few_cases(tokenizer)]
 
 
-def _events(log_path: Path, event: str) -> list[dict]:
-    lines = (json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{"))
-    return [line for line in lines if line.get("event") == event]
-
-
 @pytest.mark.e2e
 def test_greedy_matches_transformers_one_by_one(colocated, tokenizer, references):
     for i, case in enumerate(_few_cases(tokenizer)):
@@ -173,17 +167,17 @@ def test_greedy_matches_transformers_concurrently(colocated, tokenizer, referenc
 @pytest.mark.e2e
 def test_router_sees_a_prefill_and_a_decode_of_one_process_and_one_model(colocated):
     assert sorted(w.role for w in colocated.workers()) == ["decode", "prefill"]
-    registered = _events(colocated.log_path("router"), "worker registered")
+    registered = colocated.logged("router", "worker registered")
     pid = colocated.processes["colocated"].pid
     assert {(e["role"], e["pid"]) for e in registered} == {("prefill", pid), ("decode", pid)}
-    assert len(_events(colocated.log_path("colocated"), "model loaded")) == 1
+    assert len(colocated.logged("colocated", "model loaded")) == 1
 
 
 @pytest.mark.e2e
 def test_each_worker_thread_runs_on_its_own_half_of_the_cores(colocated):
     allowed = sorted(os.sched_getaffinity(0))  # the services inherit the test's cores
     middle = max(1, len(allowed) // 2)
-    pinned = {e["worker_id"]: e["cores"] for e in _events(colocated.log_path("colocated"), "pinned")}
+    pinned = {e["worker_id"]: e["cores"] for e in colocated.logged("colocated", "pinned")}
     assert pinned == {"prefill-0": allowed[:middle], "decode-0": allowed[middle:] or allowed[-1:]}
     pid = colocated.processes["colocated"].pid
     masks = {line.split(":", 1)[1].strip()
@@ -264,9 +258,8 @@ def test_a_crashed_worker_thread_takes_the_whole_process_down(checkpoint, tmp_pa
         assert stack.processes["colocated"].wait(timeout=120) == 1
     finally:
         stack.stop()  # fails on a segment left behind
-    log = stack.log_path("colocated")
-    assert [e["thread"] for e in _events(log, "worker thread crashed")] == ["decode"]
-    assert _events(log, "prefill worker stopped")
+    assert [e["thread"] for e in stack.logged("colocated", "worker thread crashed")] == ["decode"]
+    assert stack.logged("colocated", "prefill worker stopped")
 
 
 @pytest.mark.gpu
@@ -293,7 +286,7 @@ def test_colocated_on_gpu_matches_the_disaggregated_stack(tmp_path):
             stack.assert_pools_drained()
             if services == COLOCATED:  # one copy of the weights, published to nobody
                 assert not weights_file(stack.env["PDSERVE_ROUTER_RUNTIME_DIR"], "prefill-0").exists()
-                ready = _events(stack.log_path("colocated"), "decode worker ready")
+                ready = stack.logged("colocated", "decode worker ready")
                 assert ready[0]["stream_priority"] < 0, "the decode's stream has a raised priority"
             codes = stack.stop()
         assert codes == {name: 0 for name in codes}, codes

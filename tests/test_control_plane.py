@@ -134,8 +134,7 @@ def _unread_call(stack, max_tokens: int):
 
 
 def _finished_labels(stack) -> list[str]:
-    lines = [json.loads(line) for line in stack.log_path("router").read_text().splitlines() if line.startswith("{")]
-    return [line.get("label") for line in lines if line.get("event") == "request finished"]
+    return [line.get("label") for line in stack.logged("router", "request finished")]
 
 
 def test_a_stalled_stream_holds_no_kv_room_once_the_decode_is_done(checkpoint, tmp_path):
